@@ -1,0 +1,33 @@
+"""ampx: mixed-precision training for PyTorch on fused C and CUDA kernels.
+
+``ampx.ops`` holds the multi-tensor kernels (unscale, norm, cast, scale update).
+"""
+import os as _os
+
+import torch as _torch
+
+from . import _C
+
+_C._init(
+    _torch.Tensor,
+    _torch.float32,
+    _torch.float16,
+    _torch.bfloat16,
+    _torch.float64,
+    _torch.uint8,
+    _torch.int32,
+    _torch._debug_has_internal_overlap,
+    _torch.strided,
+)
+
+_simd = _os.environ.get("AMPX_SIMD")
+if _simd:
+    try:
+        _C.set_simd(_simd)
+    except ValueError as e:
+        raise ImportError(f"AMPX_SIMD={_simd!r}: {e}") from None
+
+from . import ops  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["ops", "__version__"]

@@ -1,0 +1,257 @@
+"""Fused multi-tensor kernels: the building blocks of ampx's scaler.
+
+Every function takes a list (or tuple) of tensors, or a single tensor, in any
+mix of float32, float16, bfloat16 and float64 and of any sizes, and processes
+them all in one call of C code that runs with the GIL released, vectorised
+(AVX-512, AVX2 or portable C, chosen at run time) and threaded next to
+torch's own pool (``torch.get_num_threads()`` threads, or AMPX_NUM_THREADS).
+
+Scalars that live with the tensors (``inv_scale``, ``found_inf``, ``scale``)
+are 1-element float32 tensors, as in torch; ``growth_tracker`` is int32.
+
+Non-finite detection reads the input values: ``found_inf`` is set to 1.0 when
+any of them is inf or NaN and is never cleared here (callers zero it). The
+optional ``flags`` output holds one byte per tensor: bit 0 (``FLAG_INF``) if
+that tensor held +-inf, bit 1 (``FLAG_NAN``) if it held a NaN.
+
+Tensors need not be contiguous (a slower path copies them) and may alias one
+another: in-place ops then give the result of applying the op to each tensor
+in list order. An empty list is a no-op. Bad input raises TypeError or
+ValueError naming the argument, position and dtype or device, and leaves
+every tensor untouched.
+
+These kernels bypass autograd: they are meant for gradients and optimizer
+state, not for tensors that need a backward pass.
+"""
+import math
+import os
+
+import torch
+
+from . import _C
+
+__all__ = [
+    "unscale_",
+    "norm",
+    "unscale_norm_",
+    "mul_",
+    "cast_",
+    "update_scale_",
+    "FLAG_INF",
+    "FLAG_NAN",
+    "simd_level",
+    "available_simd_levels",
+]
+
+FLAG_INF = _C.FLAG_INF
+FLAG_NAN = _C.FLAG_NAN
+
+_REDUCE = {2.0: 1, 1.0: 2, math.inf: 3}
+_SCALE, _WRITE, _CHECK, _SHIFT = _C.MODE_SCALE, _C.MODE_WRITE, _C.MODE_CHECK, _C.MODE_REDUCE_SHIFT
+
+_env_threads = os.environ.get("AMPX_NUM_THREADS")
+if _env_threads is not None:
+    try:
+        _FIXED_THREADS = int(_env_threads)
+        if _FIXED_THREADS < 1:
+            raise ValueError
+    except ValueError:
+        raise ImportError(f"AMPX_NUM_THREADS={_env_threads!r} must be a positive integer") from None
+else:
+    _FIXED_THREADS = None
+
+
+def _threads():
+    return _FIXED_THREADS if _FIXED_THREADS is not None else torch.get_num_threads()
+
+
+def _as_list(tensors, name):
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    if isinstance(tensors, (list, tuple)):
+        return tensors
+    try:
+        return list(tensors)
+    except TypeError:
+        raise TypeError(f"{name} must be a Tensor or a sequence of Tensors, not {type(tensors).__name__}") from None
+
+
+def _reduce_code(op, ord):
+    try:
+        return _REDUCE[float(ord)]
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{op}: ord must be 2, 1 or inf, not {ord!r}") from None
+
+
+def _outputs(tensors, per_tensor):
+    total = torch.zeros((), dtype=torch.float32)
+    per = torch.empty(len(tensors), dtype=torch.float32) if per_tensor else None
+    return total, per
+
+
+def unscale_(tensors, inv_scale, found_inf, *, flags=None):
+    """Multiplies every tensor in place by ``inv_scale`` and checks for inf/NaN.
+
+    The contract of ``torch._amp_foreach_non_finite_check_and_unscale_``, for
+    any dtype mix: values are multiplied even when a non-finite is present.
+
+    Args:
+        tensors: a Tensor or a sequence of Tensors (float32/16, bfloat16, float64).
+        inv_scale: 1-element float32 tensor, or a Python float.
+        found_inf: 1-element float32 tensor, set to 1.0 if any input element is
+            inf or NaN; may be None when the check result is not wanted.
+        flags: optional uint8 tensor with one element per tensor (see module doc).
+
+    Raises:
+        TypeError: a non-tensor, or a tensor of a non-floating or complex dtype.
+        ValueError: a tensor on an unsupported device, an output of the wrong
+            size or dtype, an in-place write into an internally overlapping tensor.
+    """
+    tensors = _as_list(tensors, "tensors")
+    _C.scale_reduce("ampx.ops.unscale_", tensors, _SCALE | _WRITE | _CHECK, inv_scale, found_inf, flags,
+                    None, None, _threads())
+
+
+def norm(tensors, ord=2.0, *, factor=None, found_inf=None, flags=None, per_tensor=False):
+    """The total norm of all the tensors' elements, read-only.
+
+    Args:
+        tensors: a Tensor or a sequence of Tensors.
+        ord: 2 (Euclidean), 1, or ``math.inf`` (largest magnitude).
+        factor: optional multiplier (float or 1-element float32 tensor): the
+            norm is then that of the products, formed and rounded exactly as
+            ``unscale_`` would store them, without writing anything.
+        found_inf: optional 1-element float32 tensor set to 1.0 on inf/NaN.
+        flags: optional uint8 tensor, one element per tensor.
+        per_tensor: also return each tensor's norm.
+
+    Returns:
+        A 0-dim float32 tensor (inf or NaN when the inputs hold them), or
+        ``(total, per_tensor_norms)`` with a float32 tensor of one norm per
+        tensor. Squares and sums accumulate in float64 in a fixed order, so
+        the same input gives the same bits on every run.
+
+    Raises:
+        TypeError, ValueError: as ``unscale_``, and ValueError for another ``ord``.
+    """
+    tensors = _as_list(tensors, "tensors")
+    r = _reduce_code("ampx.ops.norm", ord)
+    mode = _CHECK | (r << _SHIFT) | (_SCALE if factor is not None else 0)
+    total, per = _outputs(tensors, per_tensor)
+    _C.scale_reduce("ampx.ops.norm", tensors, mode, factor, found_inf, flags, per, total, _threads())
+    return (total, per) if per_tensor else total
+
+
+def unscale_norm_(tensors, inv_scale, found_inf, *, ord=2.0, flags=None, per_tensor=False):
+    """``unscale_`` and ``norm`` of the unscaled values in one pass over memory.
+
+    Returns what ``norm(tensors, ord)`` would return after ``unscale_``: the
+    norm of the values as stored (rounded to float16/bfloat16 for those).
+    Arguments and errors as for ``unscale_`` and ``norm``.
+    """
+    tensors = _as_list(tensors, "tensors")
+    r = _reduce_code("ampx.ops.unscale_norm_", ord)
+    total, per = _outputs(tensors, per_tensor)
+    _C.scale_reduce("ampx.ops.unscale_norm_", tensors, _SCALE | _WRITE | _CHECK | (r << _SHIFT), inv_scale,
+                    found_inf, flags, per, total, _threads())
+    return (total, per) if per_tensor else total
+
+
+def mul_(tensors, factor):
+    """Multiplies every tensor in place by ``factor`` (float or 1-element float32 tensor).
+
+    Products are formed in float32 (float64 for float64 tensors) and rounded
+    to the tensor's dtype. Errors as for ``unscale_``.
+    """
+    tensors = _as_list(tensors, "tensors")
+    _C.scale_reduce("ampx.ops.mul_", tensors, _SCALE | _WRITE, factor, None, None, None, None, _threads())
+
+
+_U64 = 1 << 64
+
+
+def cast_(src, dst, *, inv_scale=None, found_inf=None, flags=None, rounding="nearest", seed=0, offset=0):
+    """Writes ``src[i] * inv_scale`` into ``dst[i]``, converting the dtype.
+
+    The "copy model gradients into float32 master gradients" path (bfloat16 or
+    float16 -> float32, fused with unscaling and the inf/NaN check of the
+    source values) and the "write float32 master weights back into the
+    model" path (float32 -> bfloat16 / float16).
+
+    Args:
+        src, dst: Tensors or equal-length sequences of Tensors; src[i] and
+            dst[i] hold the same number of elements (shapes may differ:
+            elements pair up in row-major order). dst[i] may be src[i] itself
+            (same dtype); any other sharing of memory with a dst is refused.
+        inv_scale: optional multiplier (float or 1-element float32 tensor).
+        found_inf, flags: as in ``unscale_``, for the source values.
+        rounding: "nearest" (ties to even) or "stochastic" (bfloat16 dst only:
+            rounds up with probability equal to the discarded fraction, so the
+            rounding is unbiased).
+        seed, offset: integers in [0, 2**64) choosing the random bits of
+            stochastic rounding; the same (seed, offset) and inputs give the
+            same bits, on CPU and GPU alike. Pass a new offset each step.
+
+    Conversion from float64 to float16/bfloat16 is rounded once (no double
+    rounding through float32).
+
+    Raises:
+        TypeError, ValueError: as ``unscale_``; ValueError for mismatched
+        lengths or sizes, shared memory, a bad ``rounding`` or seed/offset.
+    """
+    src = _as_list(src, "src")
+    dst = _as_list(dst, "dst")
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"ampx.ops.cast_: rounding must be 'nearest' or 'stochastic', not {rounding!r}")
+    for name, v in (("seed", seed), ("offset", offset)):
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < _U64:
+            raise ValueError(f"ampx.ops.cast_: {name} must be an integer in [0, 2**64), not {v!r}")
+    _C.cast("ampx.ops.cast_", src, dst, inv_scale, found_inf, flags, rounding == "stochastic", seed, offset,
+            _threads())
+
+
+def _update_scale_events(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval,
+                         hysteresis, hysteresis_tracker, consecutive_hysteresis, min_scale, max_scale):
+    if hysteresis < 1:
+        raise ValueError(f"ampx.ops.update_scale_: hysteresis must be >= 1, not {hysteresis}")
+    if hysteresis > 1 and hysteresis_tracker is None:
+        raise ValueError("ampx.ops.update_scale_: hysteresis > 1 needs a hysteresis_tracker (int32, 1 element)")
+    return _C.update_scale(scale, growth_tracker, hysteresis_tracker, found_inf, float(growth_factor),
+                           float(backoff_factor), int(growth_interval), int(hysteresis),
+                           bool(consecutive_hysteresis), float(min_scale), float(max_scale))
+
+
+def update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval, *,
+                  hysteresis=1, hysteresis_tracker=None, consecutive_hysteresis=False, min_scale=0.0,
+                  max_scale=math.inf):
+    """Updates the loss scale in place after a step; returns ``scale``.
+
+    Without the keyword extras this is ``torch._amp_update_scale_`` exactly:
+    on overflow (``found_inf`` non-zero) ``scale *= backoff_factor`` and the
+    tracker resets; otherwise the tracker counts clean steps and after
+    ``growth_interval`` of them ``scale *= growth_factor`` (if still finite).
+
+    Extras (DeepSpeed's and Megatron's meaning):
+        hysteresis: overflows tolerated before backing off; each overflow
+            spends one unit from ``hysteresis_tracker`` (int32, 1 element,
+            start it at ``hysteresis``) until one is left; a growth refills it.
+        consecutive_hysteresis: refill on every clean step instead.
+        min_scale, max_scale: bounds the scale never leaves.
+
+    Raises:
+        TypeError, ValueError: a tensor of the wrong dtype, size or device;
+        hysteresis < 1, or > 1 without a tracker.
+    """
+    _update_scale_events(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval,
+                         hysteresis, hysteresis_tracker, consecutive_hysteresis, min_scale, max_scale)
+    return scale
+
+
+def simd_level():
+    """The CPU kernel level in use: "avx512", "avx2" or "portable"."""
+    return _C.simd()
+
+
+def available_simd_levels():
+    """The levels this processor supports, best first (AMPX_SIMD=... forces one)."""
+    return list(_C.simd_levels())

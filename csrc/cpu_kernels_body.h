@@ -1,0 +1,314 @@
+/*
+ * cpu_kernels_body.h: the CPU kernels, written once over a small vector
+ * layer. Each cpu_kernels_<isa>.c defines that layer and then includes this
+ * file, which emits one ampx_cpu_kernels table named AMPX_TABLE_NAME.
+ *
+ * The vector layer provides (VW lanes of float32):
+ *   vf, vload_{f32,f16,bf16}, vstore_{f32,f16,bf16}, vround_{f16,bf16},
+ *   vmul, vset1, vnan / vinf (non-zero if any lane is NaN / +-inf),
+ *   vacc with vacc_init, vacc_sq, vacc_abs, vacc_max, vacc_sum, vacc_maxval,
+ *   vstore_bf16_sr (stochastic rounding with ampx_sr_bits per lane).
+ * Elements past the last full vector go through the scalar functions of
+ * ampx_numerics.h, which are the reference the vector code must match.
+ *
+ * Every generated function is a specialisation of an always-inline body on
+ * compile-time dtype and mode, so the inner loops carry no branches.
+ */
+#include <math.h>
+#include <stddef.h>
+
+#include "cpu_kernels.h"
+
+#define AMPX_INLINE static inline __attribute__((always_inline))
+
+AMPX_INLINE vf vload_dt(int dt, const char *p, int64_t i)
+{
+    if (dt == AMPX_F32)
+        return vload_f32(p + 4 * i);
+    if (dt == AMPX_F16)
+        return vload_f16(p + 2 * i);
+    return vload_bf16(p + 2 * i);
+}
+
+AMPX_INLINE void vstore_dt(int dt, char *p, int64_t i, vf x)
+{
+    if (dt == AMPX_F32)
+        vstore_f32(p + 4 * i, x);
+    else if (dt == AMPX_F16)
+        vstore_f16(p + 2 * i, x);
+    else
+        vstore_bf16(p + 2 * i, x);
+}
+
+AMPX_INLINE vf vround_dt(int dt, vf x)
+{
+    if (dt == AMPX_F16)
+        return vround_f16(x);
+    if (dt == AMPX_BF16)
+        return vround_bf16(x);
+    return x;
+}
+
+AMPX_INLINE float sload_dt(int dt, const char *p, int64_t i)
+{
+    if (dt == AMPX_F32)
+        return ((const float *)p)[i];
+    if (dt == AMPX_F16)
+        return ampx_f16_to_f32(((const uint16_t *)p)[i]);
+    return ampx_bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+AMPX_INLINE void sstore_dt(int dt, char *p, int64_t i, float x)
+{
+    if (dt == AMPX_F32)
+        ((float *)p)[i] = x;
+    else if (dt == AMPX_F16)
+        ((uint16_t *)p)[i] = ampx_f32_to_f16(x);
+    else
+        ((uint16_t *)p)[i] = ampx_f32_to_bf16(x);
+}
+
+AMPX_INLINE float sround_dt(int dt, float x)
+{
+    if (dt == AMPX_F16)
+        return ampx_f16_to_f32(ampx_f32_to_f16(x));
+    if (dt == AMPX_BF16)
+        return ampx_bf16_to_f32(ampx_f32_to_bf16(x));
+    return x;
+}
+
+/* Folds a chunk's reduction and flags into its partial. */
+AMPX_INLINE void finish_partial(int reduce, double sum, float maxabs, unsigned flags,
+                                ampx_partial *out)
+{
+    out->flags = flags;
+    if (reduce == AMPX_REDUCE_MAXABS)
+        out->acc = (flags & AMPX_FLAG_NAN) ? (double)NAN : (double)maxabs;
+    else
+        out->acc = sum;
+}
+
+/* ---- scale / check / reduce over float32, float16, bfloat16 --------------- */
+
+AMPX_INLINE void scale_body(int dt, int mode, void *ptr, int64_t n, double factor,
+                            ampx_partial *out)
+{
+    const int sc = mode & AMPX_M_SCALE, wr = mode & AMPX_M_WRITE, ck = mode & AMPX_M_CHECK;
+    const int rd = AMPX_MODE_REDUCE(mode);
+    char *p = (char *)ptr;
+    const float s = (float)factor;
+    const vf vs = vset1(s);
+    vacc acc;
+    vacc_init(&acc);
+    unsigned vn = 0, vi = 0, flags = 0;
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) {
+        vf x = vload_dt(dt, p, i);
+        if (ck) {
+            vn |= vnan(x);
+            vi |= vinf(x);
+        }
+        if (sc)
+            x = vmul(x, vs);
+        if (wr)
+            vstore_dt(dt, p, i, x);
+        if (rd) {
+            if (sc)
+                x = vround_dt(dt, x);
+            if (rd == AMPX_REDUCE_SUMSQ)
+                vacc_sq(&acc, x);
+            else if (rd == AMPX_REDUCE_SUMABS)
+                vacc_abs(&acc, x);
+            else
+                vacc_max(&acc, x);
+        }
+    }
+    double sum = 0.0;
+    float mx = 0.0f;
+    for (; i < n; i++) {
+        float x = sload_dt(dt, p, i);
+        if (ck)
+            flags |= ampx_classify_f32(x);
+        if (sc)
+            x = sround_dt(dt, x * s);
+        if (wr)
+            sstore_dt(dt, p, i, x);
+        if (rd == AMPX_REDUCE_SUMSQ)
+            sum += (double)x * (double)x;
+        else if (rd == AMPX_REDUCE_SUMABS)
+            sum += fabs((double)x);
+        else if (rd == AMPX_REDUCE_MAXABS && fabsf(x) > mx)
+            mx = fabsf(x);
+    }
+    if (vn)
+        flags |= AMPX_FLAG_NAN;
+    if (vi)
+        flags |= AMPX_FLAG_INF;
+    if (rd == AMPX_REDUCE_MAXABS) {
+        float vm = vacc_maxval(&acc);
+        if (vm > mx)
+            mx = vm;
+    } else if (rd) {
+        sum = vacc_sum(&acc) + sum;
+    }
+    finish_partial(rd, sum, mx, flags, out);
+}
+
+/* ---- the same over float64 (scalar; float64 gradients are rare) ----------- */
+
+AMPX_INLINE void scale_body_f64(int mode, void *ptr, int64_t n, double factor, ampx_partial *out)
+{
+    const int sc = mode & AMPX_M_SCALE, wr = mode & AMPX_M_WRITE, ck = mode & AMPX_M_CHECK;
+    const int rd = AMPX_MODE_REDUCE(mode);
+    double *p = (double *)ptr;
+    unsigned flags = 0;
+    double sum = 0.0, mx = 0.0;
+    /* The multiplier is the float32 value the factor rounds to, as in torch. */
+    const double s = (double)(float)factor;
+    for (int64_t i = 0; i < n; i++) {
+        double x = p[i];
+        if (ck)
+            flags |= ampx_classify_f64(x);
+        if (sc)
+            x *= s;
+        if (wr)
+            p[i] = x;
+        if (rd == AMPX_REDUCE_SUMSQ)
+            sum += x * x;
+        else if (rd == AMPX_REDUCE_SUMABS)
+            sum += fabs(x);
+        else if (rd == AMPX_REDUCE_MAXABS && fabs(x) > mx)
+            mx = fabs(x);
+    }
+    out->flags = flags;
+    if (rd == AMPX_REDUCE_MAXABS)
+        out->acc = (flags & AMPX_FLAG_NAN) ? (double)NAN : mx;
+    else
+        out->acc = sum;
+}
+
+/* ---- casts --------------------------------------------------------------- */
+
+AMPX_INLINE unsigned cast_body(int sdt, int ddt, int sr, const void *src, void *dst, int64_t n,
+                               double factor, ampx_sr_key_t key, uint32_t e0)
+{
+    const char *s = (const char *)src;
+    char *d = (char *)dst;
+    const float f = (float)factor;
+    const vf vs = vset1(f);
+    unsigned vn = 0, vi = 0, flags = 0;
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) {
+        vf x = vload_dt(sdt, s, i);
+        vn |= vnan(x);
+        vi |= vinf(x);
+        x = vmul(x, vs);
+        if (sr)
+            vstore_bf16_sr(d + 2 * i, x, key, e0 + (uint32_t)i);
+        else
+            vstore_dt(ddt, d, i, x);
+    }
+    for (; i < n; i++) {
+        float x = sload_dt(sdt, s, i);
+        flags |= ampx_classify_f32(x);
+        x *= f;
+        if (sr)
+            ((uint16_t *)d)[i] = ampx_f32_to_bf16_sr(x, ampx_sr_bits(key, e0 + (uint32_t)i));
+        else
+            sstore_dt(ddt, d, i, x);
+    }
+    if (vn)
+        flags |= AMPX_FLAG_NAN;
+    if (vi)
+        flags |= AMPX_FLAG_INF;
+    return flags;
+}
+
+/* Any cast with a float64 side: scalar, and without double rounding. */
+AMPX_INLINE unsigned cast_body_f64(int sdt, int ddt, int sr, const void *src, void *dst,
+                                   int64_t n, double factor, ampx_sr_key_t key, uint32_t e0)
+{
+    const char *s = (const char *)src;
+    char *d = (char *)dst;
+    unsigned flags = 0;
+    const float f = (float)factor;
+    for (int64_t i = 0; i < n; i++) {
+        double x;
+        if (sdt == AMPX_F64) {
+            x = ((const double *)s)[i];
+            flags |= ampx_classify_f64(x);
+            x *= (double)f;
+        } else {
+            float y = sload_dt(sdt, s, i);
+            flags |= ampx_classify_f32(y);
+            x = (double)(y * f);
+        }
+        if (ddt == AMPX_F64) {
+            ((double *)d)[i] = x;
+        } else if (ddt == AMPX_F32) {
+            ((float *)d)[i] = (float)x;
+        } else {
+            float odd = ampx_f64_to_f32_odd(x);
+            if (sr)
+                ((uint16_t *)d)[i] = ampx_f32_to_bf16_sr(odd, ampx_sr_bits(key, e0 + (uint32_t)i));
+            else
+                sstore_dt(ddt, d, i, odd);
+        }
+    }
+    return flags;
+}
+
+/* ---- specialisations and the table --------------------------------------- */
+
+#define AMPX_SCALE_MODES(X, name, dt)                                                            \
+    X(name, dt, 3) X(name, dt, 7) X(name, dt, 15) X(name, dt, 23) X(name, dt, 31)               \
+        X(name, dt, 12) X(name, dt, 20) X(name, dt, 28) X(name, dt, 13) X(name, dt, 21)          \
+            X(name, dt, 29)
+
+#define AMPX_DEF_SCALE(name, dt, m)                                                              \
+    static void scale_##name##_##m(void *p, int64_t n, double f, ampx_partial *o)                \
+    {                                                                                            \
+        scale_body(dt, m, p, n, f, o);                                                           \
+    }
+#define AMPX_DEF_SCALE64(name, dt, m)                                                            \
+    static void scale_##name##_##m(void *p, int64_t n, double f, ampx_partial *o)                \
+    {                                                                                            \
+        scale_body_f64(m, p, n, f, o);                                                           \
+    }
+#define AMPX_SLOT_SCALE(name, dt, m) [dt][m] = scale_##name##_##m,
+
+AMPX_SCALE_MODES(AMPX_DEF_SCALE, f32, AMPX_F32)
+AMPX_SCALE_MODES(AMPX_DEF_SCALE, f16, AMPX_F16)
+AMPX_SCALE_MODES(AMPX_DEF_SCALE, bf16, AMPX_BF16)
+AMPX_SCALE_MODES(AMPX_DEF_SCALE64, f64, AMPX_F64)
+
+#define AMPX_DEF_CAST(sn, sdt, dn, ddt, sr, body)                                                \
+    static unsigned cast_##sn##_##dn##_##sr(const void *s, void *d, int64_t n, double f,         \
+                                            ampx_sr_key_t k, uint32_t e0)                        \
+    {                                                                                            \
+        return body(sdt, ddt, sr, s, d, n, f, k, e0);                                            \
+    }
+#define AMPX_CAST_ROW(X, sn, sdt, body)                                                          \
+    X(sn, sdt, f32, AMPX_F32, 0, body)                                                           \
+    X(sn, sdt, f16, AMPX_F16, 0, body)                                                           \
+    X(sn, sdt, bf16, AMPX_BF16, 0, body) X(sn, sdt, bf16, AMPX_BF16, 1, body)                    \
+        X(sn, sdt, f64, AMPX_F64, 0, cast_body_f64)
+
+AMPX_CAST_ROW(AMPX_DEF_CAST, f32, AMPX_F32, cast_body)
+AMPX_CAST_ROW(AMPX_DEF_CAST, f16, AMPX_F16, cast_body)
+AMPX_CAST_ROW(AMPX_DEF_CAST, bf16, AMPX_BF16, cast_body)
+AMPX_CAST_ROW(AMPX_DEF_CAST, f64, AMPX_F64, cast_body_f64)
+
+#define AMPX_SLOT_CAST(sn, sdt, dn, ddt, sr, body) [sdt][ddt][sr] = cast_##sn##_##dn##_##sr,
+
+const ampx_cpu_kernels AMPX_TABLE_NAME = {
+    .name = AMPX_TABLE_LABEL,
+    .scale = {AMPX_SCALE_MODES(AMPX_SLOT_SCALE, f32, AMPX_F32)
+                  AMPX_SCALE_MODES(AMPX_SLOT_SCALE, f16, AMPX_F16)
+                      AMPX_SCALE_MODES(AMPX_SLOT_SCALE, bf16, AMPX_BF16)
+                          AMPX_SCALE_MODES(AMPX_SLOT_SCALE, f64, AMPX_F64)},
+    .cast = {AMPX_CAST_ROW(AMPX_SLOT_CAST, f32, AMPX_F32, cast_body)
+                 AMPX_CAST_ROW(AMPX_SLOT_CAST, f16, AMPX_F16, cast_body)
+                     AMPX_CAST_ROW(AMPX_SLOT_CAST, bf16, AMPX_BF16, cast_body)
+                         AMPX_CAST_ROW(AMPX_SLOT_CAST, f64, AMPX_F64, cast_body_f64)},
+};

@@ -1,0 +1,912 @@
+/*
+ * module.c: ampx._C, the C extension behind ampx.ops.
+ *
+ * Written against the limited C API of Python 3.9 (one abi3 build serves
+ * every later Python) and without any torch header: a tensor is read
+ * through its Python attributes (dtype, is_cpu, numel(), is_contiguous(),
+ * data_ptr()), so one build serves every torch version too.
+ *
+ * Each entry point validates every argument before any memory is written,
+ * so bad input raises a Python exception and leaves the tensors untouched.
+ * Kernels then run with the GIL released (above GIL_RELEASE_MIN elements).
+ *
+ * The functions here are private; ampx/ops.py is the public, documented API
+ * and passes its arguments positionally.
+ */
+#define Py_LIMITED_API 0x03090000
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ampx_numerics.h"
+#include "cpu_dispatch.h"
+#include "multi_tensor.h"
+
+/* Below this many elements a call keeps the GIL: releasing it costs more. */
+#define GIL_RELEASE_MIN ((int64_t)1 << 14)
+
+typedef struct {
+    PyObject *tensor_type; /* torch.Tensor */
+    PyObject *dtypes[AMPX_NUM_DTYPES];
+    PyObject *dtype_u8, *dtype_i32;
+    PyObject *internal_overlap; /* torch._debug_has_internal_overlap */
+    PyObject *strided;          /* torch.strided */
+    PyObject *s_dtype, *s_is_cpu, *s_is_cuda, *s_device, *s_layout, *s_numel, *s_is_contiguous,
+        *s_data_ptr, *s_contiguous, *s_copy_;
+} mstate;
+
+/* Py_NewRef and Py_XSETREF are not in the 3.9 limited API. */
+static PyObject *new_ref(PyObject *o)
+{
+    Py_INCREF(o);
+    return o;
+}
+
+static void set_ref(PyObject **slot, PyObject *o)
+{
+    PyObject *old = *slot;
+    Py_INCREF(o);
+    *slot = o;
+    Py_XDECREF(old);
+}
+
+static mstate *get_state(PyObject *module) { return (mstate *)PyModule_GetState(module); }
+
+static const char *const dtype_names[AMPX_NUM_DTYPES] = {"float32", "float16", "bfloat16", "float64"};
+static const int64_t elem_size[AMPX_NUM_DTYPES] = {4, 2, 2, 8};
+
+static int require_init(mstate *st)
+{
+    if (st->tensor_type != NULL)
+        return 0;
+    PyErr_SetString(PyExc_RuntimeError, "ampx._C is not initialised: import ampx, not ampx._C");
+    return -1;
+}
+
+/* ---- small helpers over tensor attributes --------------------------------- */
+
+/* Calls a no-argument method and returns a new reference (NULL on error). */
+static PyObject *call0(PyObject *obj, PyObject *name) { return PyObject_CallMethodObjArgs(obj, name, NULL); }
+
+static int get_int64(PyObject *obj, PyObject *method, int64_t *out)
+{
+    PyObject *r = call0(obj, method);
+    if (r == NULL)
+        return -1;
+    long long v = PyLong_AsLongLong(r);
+    Py_DECREF(r);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    *out = (int64_t)v;
+    return 0;
+}
+
+static int get_bool_attr(PyObject *obj, PyObject *name, int *out)
+{
+    PyObject *r = PyObject_GetAttr(obj, name);
+    if (r == NULL)
+        return -1;
+    int v = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (v < 0)
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static int get_data_ptr(mstate *st, PyObject *t, char **out)
+{
+    PyObject *r = call0(t, st->s_data_ptr);
+    if (r == NULL)
+        return -1;
+    void *p = PyLong_AsVoidPtr(r);
+    Py_DECREF(r);
+    if (p == NULL && PyErr_Occurred())
+        return -1;
+    *out = (char *)p;
+    return 0;
+}
+
+/* Raises the ValueError for a tensor that is not on the CPU. */
+static int device_error(mstate *st, const char *op, const char *arg, Py_ssize_t i, PyObject *t)
+{
+    PyObject *dev = PyObject_GetAttr(t, st->s_device);
+    if (dev == NULL)
+        return -1;
+    int cuda = 0;
+    if (get_bool_attr(t, st->s_is_cuda, &cuda) < 0) {
+        Py_DECREF(dev);
+        return -1;
+    }
+    if (cuda)
+        PyErr_Format(PyExc_ValueError,
+                     "%s: %s[%zd] is on %S, but ampx's CUDA kernels are not available in this "
+                     "build; use CPU tensors",
+                     op, arg, i, dev);
+    else
+        PyErr_Format(PyExc_ValueError, "%s: %s[%zd] is on device %S; ampx works on CPU and CUDA tensors",
+                     op, arg, i, dev);
+    Py_DECREF(dev);
+    return -1;
+}
+
+/* Returns the dtype code of t, or -1 (TypeError set) for an unsupported one. */
+static int dtype_code(mstate *st, const char *op, const char *arg, Py_ssize_t i, PyObject *t)
+{
+    PyObject *dt = PyObject_GetAttr(t, st->s_dtype);
+    if (dt == NULL)
+        return -1;
+    int code = -1;
+    for (int k = 0; k < AMPX_NUM_DTYPES; k++)
+        if (dt == st->dtypes[k])
+            code = k;
+    if (code < 0)
+        PyErr_Format(PyExc_TypeError,
+                     "%s: %s[%zd] has dtype %S; expected float32, float16, bfloat16 or float64", op,
+                     arg, i, dt);
+    Py_DECREF(dt);
+    return code;
+}
+
+/* Returns 0 if t is strided; else raises the ValueError naming its layout.
+ * With `always`, raises even for a strided tensor (its check failed). */
+static int layout_error(mstate *st, const char *op, const char *arg, Py_ssize_t i, PyObject *t, int always)
+{
+    PyObject *layout = PyObject_GetAttr(t, st->s_layout);
+    if (layout == NULL)
+        return -1;
+    if (layout != st->strided || always)
+        PyErr_Format(PyExc_ValueError, "%s: %s[%zd] has layout %S; ampx works on strided (dense) tensors",
+                     op, arg, i, layout);
+    int bad = layout != st->strided || always;
+    Py_DECREF(layout);
+    return bad ? -1 : 0;
+}
+
+/* Checks that t is a Tensor on the CPU and reads its numel and contiguity.
+ * A tensor without strides (sparse, ...) is refused with a ValueError. */
+static int tensor_meta(mstate *st, const char *op, const char *arg, Py_ssize_t i, PyObject *t,
+                       int64_t *numel, int *contig)
+{
+    if (!PyObject_TypeCheck(t, (PyTypeObject *)st->tensor_type)) {
+        PyErr_Format(PyExc_TypeError, "%s: %s[%zd] must be a torch.Tensor, not %R", op, arg, i,
+                     (PyObject *)Py_TYPE(t));
+        return -1;
+    }
+    int cpu = 0;
+    if (get_bool_attr(t, st->s_is_cpu, &cpu) < 0)
+        return -1;
+    if (!cpu)
+        return device_error(st, op, arg, i, t);
+    if (get_int64(t, st->s_numel, numel) < 0)
+        return -1;
+    PyObject *r = call0(t, st->s_is_contiguous);
+    if (r == NULL) {
+        /* Sparse CSR and other unstrided layouts have no contiguity. */
+        PyErr_Clear();
+        return layout_error(st, op, arg, i, t, 1);
+    }
+    *contig = r == Py_True;
+    Py_DECREF(r);
+    if (!*contig) /* the slow path: rule out sparse COO, which reports False */
+        return layout_error(st, op, arg, i, t, 0);
+    return 0;
+}
+
+/* Validates a small auxiliary tensor (scale, found_inf, outputs) and returns
+ * its data pointer: a contiguous CPU tensor of `dtype` with `numel` elements. */
+static int aux_ptr(mstate *st, const char *op, const char *name, PyObject *o, PyObject *dtype,
+                   int64_t numel, void **ptr)
+{
+    if (!PyObject_TypeCheck(o, (PyTypeObject *)st->tensor_type)) {
+        PyErr_Format(PyExc_TypeError, "%s: %s must be a torch.Tensor, not %R", op, name,
+                     (PyObject *)Py_TYPE(o));
+        return -1;
+    }
+    PyObject *dt = PyObject_GetAttr(o, st->s_dtype);
+    if (dt == NULL)
+        return -1;
+    if (dt != dtype) {
+        PyErr_Format(PyExc_TypeError, "%s: %s must have dtype %S, not %S", op, name, dtype, dt);
+        Py_DECREF(dt);
+        return -1;
+    }
+    Py_DECREF(dt);
+    int cpu = 0, contig = 0;
+    int64_t n = 0;
+    if (get_bool_attr(o, st->s_is_cpu, &cpu) < 0)
+        return -1;
+    if (!cpu) {
+        PyObject *dev = PyObject_GetAttr(o, st->s_device);
+        if (dev == NULL)
+            return -1;
+        PyErr_Format(PyExc_ValueError, "%s: %s is on %S, but the tensors are on the CPU", op, name, dev);
+        Py_DECREF(dev);
+        return -1;
+    }
+    if (get_int64(o, st->s_numel, &n) < 0)
+        return -1;
+    if (n != numel) {
+        PyErr_Format(PyExc_ValueError, "%s: %s must have %lld element(s), not %lld", op, name,
+                     (long long)numel, (long long)n);
+        return -1;
+    }
+    PyObject *r = call0(o, st->s_is_contiguous);
+    if (r == NULL)
+        return -1;
+    contig = r == Py_True;
+    Py_DECREF(r);
+    if (!contig) {
+        PyErr_Format(PyExc_ValueError, "%s: %s must be contiguous", op, name);
+        return -1;
+    }
+    char *p = NULL;
+    if (get_data_ptr(st, o, &p) < 0)
+        return -1;
+    *ptr = p;
+    return 0;
+}
+
+/* None -> 1.0; a Python number; or a 1-element float32 CPU tensor. */
+static int parse_factor(mstate *st, const char *op, const char *name, PyObject *o, double *out)
+{
+    if (o == Py_None) {
+        *out = 1.0;
+        return 0;
+    }
+    if (PyFloat_Check(o) || PyLong_Check(o)) {
+        double v = PyFloat_AsDouble(o);
+        if (v == -1.0 && PyErr_Occurred())
+            return -1;
+        *out = v;
+        return 0;
+    }
+    void *p = NULL;
+    if (aux_ptr(st, op, name, o, st->dtypes[AMPX_F32], 1, &p) < 0)
+        return -1;
+    *out = (double)*(const float *)p;
+    return 0;
+}
+
+/* An optional output: None -> *ptr = NULL. */
+static int opt_aux(mstate *st, const char *op, const char *name, PyObject *o, PyObject *dtype,
+                   int64_t numel, void **ptr)
+{
+    *ptr = NULL;
+    if (o == Py_None)
+        return 0;
+    return aux_ptr(st, op, name, o, dtype, numel, ptr);
+}
+
+/* ---- gathering a list of tensors ------------------------------------------ */
+
+typedef struct {
+    Py_ssize_t n;
+    PyObject *seq;         /* borrowed list or tuple */
+    ampx_tensor *ts;       /* n descriptors */
+    unsigned char *nc;     /* n: non-contiguous (handled through a contiguous copy) */
+    PyObject **tmp;        /* n: owned contiguous copies, or NULL */
+    int any_nc;
+    int64_t total;         /* elements in all */
+} tlist;
+
+static PyObject *seq_item(PyObject *seq, Py_ssize_t i)
+{
+    return PyList_Check(seq) ? PyList_GetItem(seq, i) : PyTuple_GetItem(seq, i);
+}
+
+static void tlist_free(tlist *L)
+{
+    if (L->tmp != NULL)
+        for (Py_ssize_t i = 0; i < L->n; i++)
+            Py_XDECREF(L->tmp[i]);
+    free(L->ts);
+    free(L->nc);
+    free(L->tmp);
+    memset(L, 0, sizeof *L);
+}
+
+/* Reads every tensor of seq (a list or tuple) into L. For a list that will
+ * be written (`write`), a non-contiguous tensor must not overlap itself; its
+ * copy is made later, when it is processed. For a read-only list the copy
+ * is made here. On error L is freed and an exception is set. */
+static int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *seq, int write, tlist *L)
+{
+    memset(L, 0, sizeof *L);
+    if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
+        PyErr_Format(PyExc_TypeError, "%s: %s must be a list or tuple of tensors", op, arg);
+        return -1;
+    }
+    Py_ssize_t n = PyList_Check(seq) ? PyList_Size(seq) : PyTuple_Size(seq);
+    if (n < 0)
+        return -1;
+    if ((size_t)n > (size_t)UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s: %s holds more than 2^32 tensors", op, arg);
+        return -1;
+    }
+    L->n = n;
+    L->seq = seq;
+    size_t m = n > 0 ? (size_t)n : 1u;
+    L->ts = (ampx_tensor *)calloc(m, sizeof *L->ts);
+    L->nc = (unsigned char *)calloc(m, 1);
+    L->tmp = (PyObject **)calloc(m, sizeof *L->tmp);
+    if (L->ts == NULL || L->nc == NULL || L->tmp == NULL) {
+        tlist_free(L);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = seq_item(seq, i);
+        if (t == NULL)
+            goto error;
+        ampx_tensor *d = &L->ts[i];
+        int contig = 0;
+        d->index = (uint32_t)i;
+        if (tensor_meta(st, op, arg, i, t, &d->numel, &contig) < 0)
+            goto error;
+        if ((d->dtype = dtype_code(st, op, arg, i, t)) < 0)
+            goto error;
+        L->total += d->numel;
+        if (d->numel == 0)
+            continue;
+        if (contig) {
+            if (get_data_ptr(st, t, &d->ptr) < 0)
+                goto error;
+            continue;
+        }
+        L->nc[i] = 1;
+        L->any_nc = 1;
+        if (write) {
+            PyObject *r = PyObject_CallFunctionObjArgs(st->internal_overlap, t, NULL);
+            if (r == NULL)
+                goto error;
+            long v = PyLong_AsLong(r);
+            Py_DECREF(r);
+            if (v == -1 && PyErr_Occurred())
+                goto error;
+            if (v == 1) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s: %s[%zd] has internal overlap (several of its elements share memory, "
+                             "as in an expanded tensor), so it cannot be written in place",
+                             op, arg, i);
+                goto error;
+            }
+        } else {
+            if ((L->tmp[i] = call0(t, st->s_contiguous)) == NULL)
+                goto error;
+            if (get_data_ptr(st, L->tmp[i], &d->ptr) < 0)
+                goto error;
+        }
+    }
+    return 0;
+error:
+    tlist_free(L);
+    return -1;
+}
+
+/* ---- overlap between tensors ---------------------------------------------- */
+
+typedef struct {
+    uintptr_t lo, hi;
+    Py_ssize_t idx;
+    int written;
+} span_t;
+
+static int span_cmp(const void *a, const void *b)
+{
+    uintptr_t x = ((const span_t *)a)->lo, y = ((const span_t *)b)->lo;
+    return x < y ? -1 : x > y;
+}
+
+/* Finds a pair of overlapping spans in which at least one is written.
+ * Returns 1 and the pair, 0 if there is none, -1 when out of memory. The
+ * spans are sorted in place. */
+static int find_overlap(span_t *s, Py_ssize_t m, span_t *x, span_t *y)
+{
+    int sorted = 1;
+    for (Py_ssize_t k = 1; k < m && sorted; k++)
+        sorted = s[k - 1].lo <= s[k].lo;
+    if (!sorted)
+        qsort(s, (size_t)m, sizeof *s, span_cmp);
+    Py_ssize_t all = -1, wr = -1; /* spans reaching furthest: any, written */
+    for (Py_ssize_t k = 0; k < m; k++) {
+        if (all >= 0 && s[k].written && s[all].hi > s[k].lo) {
+            *x = s[all];
+            *y = s[k];
+            return 1;
+        }
+        if (wr >= 0 && s[wr].hi > s[k].lo) {
+            *x = s[wr];
+            *y = s[k];
+            return 1;
+        }
+        if (all < 0 || s[k].hi > s[all].hi)
+            all = k;
+        if (s[k].written && (wr < 0 || s[k].hi > s[wr].hi))
+            wr = k;
+    }
+    return 0;
+}
+
+/* Spans of the contiguous, non-empty tensors of L (written or not). */
+static Py_ssize_t add_spans(const tlist *L, int written, int use_src, span_t *out)
+{
+    Py_ssize_t m = 0;
+    for (Py_ssize_t i = 0; i < L->n; i++) {
+        const ampx_tensor *d = &L->ts[i];
+        if (d->numel == 0 || L->nc[i])
+            continue;
+        uintptr_t lo = (uintptr_t)(use_src ? d->src : d->ptr);
+        out[m].lo = lo;
+        out[m].hi = lo + (uintptr_t)(d->numel * elem_size[use_src ? d->src_dtype : d->dtype]);
+        out[m].idx = i;
+        out[m].written = written;
+        m++;
+    }
+    return m;
+}
+
+/* ---- running a job -------------------------------------------------------- */
+
+static int run_job(const ampx_job *job, const ampx_tensor *ts, Py_ssize_t n, int64_t total,
+                   int nthreads, ampx_partial *parts)
+{
+    int rc;
+    if (total >= GIL_RELEASE_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = ampx_run(job, ts, n, nthreads, parts);
+        Py_END_ALLOW_THREADS
+    } else {
+        rc = ampx_run(job, ts, n, nthreads, parts);
+    }
+    if (rc < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static double finish_reduce(int reduce, double acc) { return reduce == AMPX_REDUCE_SUMSQ ? sqrt(acc) : acc; }
+
+/* Writes the common outputs: found_inf, per-tensor flags, per-tensor and
+ * total reductions. */
+static void write_outputs(const ampx_partial *parts, Py_ssize_t n, int reduce, float *found_inf,
+                          uint8_t *flags, float *per_tensor, float *total)
+{
+    ampx_partial all = {0.0, 0u};
+    for (Py_ssize_t i = 0; i < n; i++) {
+        ampx_partial_combine(&all, &parts[i], reduce);
+        if (flags != NULL)
+            flags[i] = (uint8_t)parts[i].flags;
+        if (per_tensor != NULL)
+            per_tensor[i] = (float)finish_reduce(reduce, parts[i].acc);
+    }
+    if (found_inf != NULL && all.flags != 0u)
+        *found_inf = 1.0f;
+    if (total != NULL)
+        *total = (float)finish_reduce(reduce, all.acc);
+}
+
+/* scale_reduce(op, tensors, mode, factor, found_inf, flags, per_tensor, out, nthreads)
+ *
+ * The one entry point of unscale_, norm, unscale_norm_ and mul_: runs the
+ * scale kernel in `mode` over the tensors. */
+static PyObject *py_scale_reduce(PyObject *module, PyObject *args)
+{
+    mstate *st = get_state(module);
+    const char *op;
+    PyObject *seq, *factor_o, *found_o, *flags_o, *per_o, *out_o;
+    int mode, nthreads;
+    if (!PyArg_ParseTuple(args, "sOiOOOOOi:scale_reduce", &op, &seq, &mode, &factor_o, &found_o, &flags_o,
+                          &per_o, &out_o, &nthreads))
+        return NULL;
+    if (require_init(st) < 0)
+        return NULL;
+    if (mode < 0 || mode >= AMPX_NUM_MODES || ampx_cpu_active->scale[AMPX_F32][mode] == NULL) {
+        PyErr_Format(PyExc_ValueError, "%s: no kernel for mode %d", op, mode);
+        return NULL;
+    }
+    const int write = mode & AMPX_M_WRITE, reduce = AMPX_MODE_REDUCE(mode);
+    tlist L;
+    if (tlist_gather(st, op, "tensors", seq, write, &L) < 0)
+        return NULL;
+
+    PyObject *result = NULL;
+    ampx_partial *parts = NULL;
+    span_t *spans = NULL;
+    double factor = 1.0;
+    void *found = NULL, *flags = NULL, *per = NULL, *out = NULL;
+    if (parse_factor(st, op, "factor", factor_o, &factor) < 0 ||
+        opt_aux(st, op, "found_inf", found_o, st->dtypes[AMPX_F32], 1, &found) < 0 ||
+        opt_aux(st, op, "flags", flags_o, st->dtype_u8, L.n, &flags) < 0 ||
+        opt_aux(st, op, "per_tensor", per_o, st->dtypes[AMPX_F32], L.n, &per) < 0 ||
+        opt_aux(st, op, "out", out_o, st->dtypes[AMPX_F32], 1, &out) < 0)
+        goto done;
+    parts = (ampx_partial *)calloc(L.n > 0 ? (size_t)L.n : 1u, sizeof *parts);
+    if (parts == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    ampx_job job = {0, mode, factor, 0, 0u, 0u};
+
+    /* Written tensors that share memory, or that need a contiguous copy, are
+     * processed one at a time in list order: the result is then that of
+     * applying the op to each tensor in turn, whatever the aliasing. */
+    int sequential = write && L.any_nc;
+    if (write && !sequential && L.n > 1) {
+        spans = (span_t *)malloc((size_t)L.n * sizeof *spans);
+        if (spans == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        span_t x, y;
+        sequential = find_overlap(spans, add_spans(&L, 1, 0, spans), &x, &y);
+    }
+    if (!sequential) {
+        if (run_job(&job, L.ts, L.n, L.total, nthreads, parts) < 0)
+            goto done;
+    } else {
+        for (Py_ssize_t i = 0; i < L.n; i++) {
+            if (L.ts[i].numel == 0)
+                continue;
+            PyObject *t = seq_item(L.seq, i), *c = NULL;
+            if (L.nc[i]) {
+                if ((c = call0(t, st->s_contiguous)) == NULL)
+                    goto done;
+                if (get_data_ptr(st, c, &L.ts[i].ptr) < 0) {
+                    Py_DECREF(c);
+                    goto done;
+                }
+            }
+            int rc = run_job(&job, &L.ts[i], 1, L.ts[i].numel, nthreads, &parts[i]);
+            if (rc == 0 && c != NULL) {
+                PyObject *r = PyObject_CallMethodObjArgs(t, st->s_copy_, c, NULL);
+                rc = r == NULL ? -1 : 0;
+                Py_XDECREF(r);
+            }
+            Py_XDECREF(c);
+            if (rc < 0)
+                goto done;
+        }
+    }
+    write_outputs(parts, L.n, reduce, (float *)found, (uint8_t *)flags, (float *)per, (float *)out);
+    result = new_ref(Py_None);
+done:
+    free(spans);
+    free(parts);
+    tlist_free(&L);
+    return result;
+}
+
+/* cast(op, src, dst, factor, found_inf, flags, stochastic, seed, offset, nthreads) */
+static PyObject *py_cast(PyObject *module, PyObject *args)
+{
+    mstate *st = get_state(module);
+    const char *op;
+    PyObject *src_o, *dst_o, *factor_o, *found_o, *flags_o;
+    int stochastic, nthreads;
+    unsigned long long seed, offset;
+    if (!PyArg_ParseTuple(args, "sOOOOOpKKi:cast", &op, &src_o, &dst_o, &factor_o, &found_o, &flags_o,
+                          &stochastic, &seed, &offset, &nthreads))
+        return NULL;
+    if (require_init(st) < 0)
+        return NULL;
+    tlist S, D;
+    if (tlist_gather(st, op, "src", src_o, 0, &S) < 0)
+        return NULL;
+    if (tlist_gather(st, op, "dst", dst_o, 1, &D) < 0) {
+        tlist_free(&S);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    ampx_partial *parts = NULL;
+    span_t *spans = NULL;
+    double factor = 1.0;
+    void *found = NULL, *flags = NULL;
+    if (S.n != D.n) {
+        PyErr_Format(PyExc_ValueError, "%s: src has %zd tensors but dst has %zd", op, S.n, D.n);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < S.n; i++) {
+        if (S.ts[i].numel != D.ts[i].numel) {
+            PyErr_Format(PyExc_ValueError, "%s: src[%zd] has %lld elements but dst[%zd] has %lld", op, i,
+                         (long long)S.ts[i].numel, i, (long long)D.ts[i].numel);
+            goto done;
+        }
+        if (stochastic && D.ts[i].dtype != AMPX_BF16) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: stochastic rounding writes bfloat16, but dst[%zd] has dtype torch.%s", op, i,
+                         dtype_names[D.ts[i].dtype]);
+            goto done;
+        }
+    }
+    if (parse_factor(st, op, "inv_scale", factor_o, &factor) < 0 ||
+        opt_aux(st, op, "found_inf", found_o, st->dtypes[AMPX_F32], 1, &found) < 0 ||
+        opt_aux(st, op, "flags", flags_o, st->dtype_u8, S.n, &flags) < 0)
+        goto done;
+
+    /* Non-contiguous destinations are written through contiguous copies. */
+    for (Py_ssize_t i = 0; i < D.n; i++) {
+        if (!D.nc[i])
+            continue;
+        if ((D.tmp[i] = call0(seq_item(D.seq, i), st->s_contiguous)) == NULL)
+            goto done;
+        if (get_data_ptr(st, D.tmp[i], &D.ts[i].ptr) < 0)
+            goto done;
+    }
+    /* A destination may alias its own source exactly (an in-place cast);
+     * any other overlap with a destination would make the result depend on
+     * the order of the work, so it is refused. */
+    spans = (span_t *)malloc((size_t)(2 * S.n + 1) * sizeof *spans);
+    parts = (ampx_partial *)calloc(S.n > 0 ? (size_t)S.n : 1u, sizeof *parts);
+    if (spans == NULL || parts == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < S.n; i++) {
+        S.ts[i].src = S.ts[i].ptr;
+        S.ts[i].src_dtype = S.ts[i].dtype;
+        S.ts[i].ptr = D.ts[i].ptr;
+        S.ts[i].dtype = D.ts[i].dtype;
+    }
+    Py_ssize_t m = 0;
+    for (Py_ssize_t i = 0; i < S.n; i++) {
+        const ampx_tensor *d = &S.ts[i];
+        if (d->numel == 0)
+            continue;
+        int exact_alias = d->ptr == d->src && d->dtype == d->src_dtype;
+        spans[m].lo = (uintptr_t)d->ptr;
+        spans[m].hi = spans[m].lo + (uintptr_t)(d->numel * elem_size[d->dtype]);
+        spans[m].idx = i;
+        spans[m].written = 1;
+        m++;
+        if (exact_alias)
+            continue;
+        spans[m].lo = (uintptr_t)d->src;
+        spans[m].hi = spans[m].lo + (uintptr_t)(d->numel * elem_size[d->src_dtype]);
+        spans[m].idx = i;
+        spans[m].written = 0;
+        m++;
+    }
+    span_t x, y;
+    if (find_overlap(spans, m, &x, &y)) {
+        PyErr_Format(PyExc_ValueError, "%s: %s[%zd] and %s[%zd] share memory; a cast needs distinct "
+                     "destinations (or a destination that is exactly its own source)",
+                     op, x.written ? "dst" : "src", x.idx, y.written ? "dst" : "src", y.idx);
+        goto done;
+    }
+
+    ampx_job job = {1, 0, factor, stochastic, (uint64_t)seed, (uint64_t)offset};
+    if (run_job(&job, S.ts, S.n, S.total, nthreads, parts) < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < D.n; i++) {
+        if (D.tmp[i] == NULL)
+            continue;
+        PyObject *r = PyObject_CallMethodObjArgs(seq_item(D.seq, i), st->s_copy_, D.tmp[i], NULL);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+    }
+    write_outputs(parts, S.n, AMPX_REDUCE_NONE, (float *)found, (uint8_t *)flags, NULL, NULL);
+    result = new_ref(Py_None);
+done:
+    free(spans);
+    free(parts);
+    tlist_free(&S);
+    tlist_free(&D);
+    return result;
+}
+
+/* update_scale(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
+ *              backoff_factor, growth_interval, hysteresis, consecutive, min_scale,
+ *              max_scale) -> events (AMPX_UPD_* bits) */
+static PyObject *py_update_scale(PyObject *module, PyObject *args)
+{
+    mstate *st = get_state(module);
+    const char *op = "ampx.ops.update_scale_";
+    PyObject *scale_o, *tracker_o, *hyst_o, *found_o;
+    double growth, backoff, min_scale, max_scale;
+    long long interval;
+    int hysteresis, consecutive;
+    if (!PyArg_ParseTuple(args, "OOOOddLipdd:update_scale", &scale_o, &tracker_o, &hyst_o, &found_o, &growth,
+                          &backoff, &interval, &hysteresis, &consecutive, &min_scale, &max_scale))
+        return NULL;
+    if (require_init(st) < 0)
+        return NULL;
+    void *scale = NULL, *tracker = NULL, *hyst = NULL, *found = NULL;
+    if (aux_ptr(st, op, "scale", scale_o, st->dtypes[AMPX_F32], 1, &scale) < 0 ||
+        aux_ptr(st, op, "growth_tracker", tracker_o, st->dtype_i32, 1, &tracker) < 0 ||
+        opt_aux(st, op, "hysteresis_tracker", hyst_o, st->dtype_i32, 1, &hyst) < 0 ||
+        aux_ptr(st, op, "found_inf", found_o, st->dtypes[AMPX_F32], 1, &found) < 0)
+        return NULL;
+    int ev = ampx_update_scale((float *)scale, (int32_t *)tracker, (int32_t *)hyst, *(const float *)found,
+                               growth, backoff, (int64_t)interval, (int32_t)hysteresis, consecutive,
+                               (float)min_scale, (float)max_scale);
+    return PyLong_FromLong(ev);
+}
+
+/* _init(torch.Tensor, float32, float16, bfloat16, float64, uint8, int32,
+ *       torch._debug_has_internal_overlap, torch.strided): called once by ampx/__init__.py. */
+static PyObject *py_init(PyObject *module, PyObject *args)
+{
+    mstate *st = get_state(module);
+    PyObject *o[9];
+    if (!PyArg_ParseTuple(args, "OOOOOOOOO:_init", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7],
+                          &o[8]))
+        return NULL;
+    if (!PyType_Check(o[0])) {
+        PyErr_SetString(PyExc_TypeError, "_init: the first argument must be torch.Tensor");
+        return NULL;
+    }
+    set_ref(&st->tensor_type, o[0]);
+    for (int k = 0; k < AMPX_NUM_DTYPES; k++)
+        set_ref(&st->dtypes[k], o[1 + k]);
+    set_ref(&st->dtype_u8, o[5]);
+    set_ref(&st->dtype_i32, o[6]);
+    set_ref(&st->internal_overlap, o[7]);
+    set_ref(&st->strided, o[8]);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_simd(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    return PyUnicode_FromString(ampx_cpu_active->name);
+}
+
+static PyObject *py_simd_levels(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    const char *const *lv = ampx_cpu_supported_levels();
+    PyObject *t = PyList_New(0);
+    if (t == NULL)
+        return NULL;
+    for (int k = 0; lv[k] != NULL; k++) {
+        PyObject *s = PyUnicode_FromString(lv[k]);
+        if (s == NULL || PyList_Append(t, s) < 0) {
+            Py_XDECREF(s);
+            Py_DECREF(t);
+            return NULL;
+        }
+        Py_DECREF(s);
+    }
+    return t;
+}
+
+/* set_simd(name) -> previous name */
+static PyObject *py_set_simd(PyObject *module, PyObject *args)
+{
+    (void)module;
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s:set_simd", &name))
+        return NULL;
+    int supported = 0;
+    const ampx_cpu_kernels *k = ampx_cpu_find(name, &supported);
+    if (k == NULL) {
+        if (supported < 0)
+            PyErr_Format(PyExc_ValueError, "unknown SIMD level '%s'; expected avx512, avx2 or portable", name);
+        else
+            PyErr_Format(PyExc_ValueError, "this processor does not support the '%s' SIMD level", name);
+        return NULL;
+    }
+    PyObject *prev = PyUnicode_FromString(ampx_cpu_active->name);
+    if (prev != NULL)
+        ampx_cpu_active = k;
+    return prev;
+}
+
+/* set_parallel_threshold(n) -> previous n: below n elements in all, a call runs on one thread. */
+static PyObject *py_set_parallel_threshold(PyObject *module, PyObject *args)
+{
+    (void)module;
+    long long n;
+    if (!PyArg_ParseTuple(args, "L:set_parallel_threshold", &n))
+        return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "set_parallel_threshold: the threshold must be >= 0");
+        return NULL;
+    }
+    long long prev = (long long)ampx_parallel_min;
+    ampx_parallel_min = (int64_t)n;
+    return PyLong_FromLongLong(prev);
+}
+
+static PyMethodDef methods[] = {
+    {"_init", py_init, METH_VARARGS, "Hands torch's types to the extension (called by ampx)."},
+    {"scale_reduce", py_scale_reduce, METH_VARARGS, "Scale / check / reduce kernel over a tensor list."},
+    {"cast", py_cast, METH_VARARGS, "Cast kernel between two tensor lists."},
+    {"update_scale", py_update_scale, METH_VARARGS, "One loss-scale update on CPU tensors."},
+    {"simd", py_simd, METH_NOARGS, "Name of the SIMD level in use."},
+    {"simd_levels", py_simd_levels, METH_NOARGS, "SIMD levels this processor supports, best first."},
+    {"set_simd", py_set_simd, METH_VARARGS, "Selects a SIMD level; returns the previous one."},
+    {"set_parallel_threshold", py_set_parallel_threshold, METH_VARARGS,
+     "Sets the element count below which kernels run single-threaded; returns the previous one."},
+    {NULL, NULL, 0, NULL},
+};
+
+static int intern(PyObject **slot, const char *s)
+{
+    *slot = PyUnicode_InternFromString(s);
+    return *slot == NULL ? -1 : 0;
+}
+
+static int exec_module(PyObject *m)
+{
+    mstate *st = get_state(m);
+    if (intern(&st->s_dtype, "dtype") < 0 || intern(&st->s_is_cpu, "is_cpu") < 0 ||
+        intern(&st->s_is_cuda, "is_cuda") < 0 || intern(&st->s_device, "device") < 0 ||
+        intern(&st->s_layout, "layout") < 0 || intern(&st->s_numel, "numel") < 0 ||
+        intern(&st->s_is_contiguous, "is_contiguous") < 0 || intern(&st->s_data_ptr, "data_ptr") < 0 ||
+        intern(&st->s_contiguous, "contiguous") < 0 || intern(&st->s_copy_, "copy_") < 0)
+        return -1;
+    ampx_cpu_dispatch_init();
+    if (PyModule_AddIntConstant(m, "CHUNK", (long)AMPX_CHUNK) < 0 ||
+        PyModule_AddIntConstant(m, "PARALLEL_MIN", (long)AMPX_PARALLEL_MIN_DEFAULT) < 0 ||
+        PyModule_AddIntConstant(m, "GIL_RELEASE_MIN", (long)GIL_RELEASE_MIN) < 0 ||
+        PyModule_AddIntConstant(m, "MODE_SCALE", AMPX_M_SCALE) < 0 ||
+        PyModule_AddIntConstant(m, "MODE_WRITE", AMPX_M_WRITE) < 0 ||
+        PyModule_AddIntConstant(m, "MODE_CHECK", AMPX_M_CHECK) < 0 ||
+        PyModule_AddIntConstant(m, "MODE_REDUCE_SHIFT", AMPX_M_REDUCE_SHIFT) < 0 ||
+        PyModule_AddIntConstant(m, "FLAG_INF", AMPX_FLAG_INF) < 0 ||
+        PyModule_AddIntConstant(m, "FLAG_NAN", AMPX_FLAG_NAN) < 0 ||
+        PyModule_AddIntConstant(m, "UPD_BACKOFF", AMPX_UPD_BACKOFF) < 0 ||
+        PyModule_AddIntConstant(m, "UPD_GROWTH", AMPX_UPD_GROWTH) < 0 ||
+        PyModule_AddIntConstant(m, "UPD_HYSTERESIS", AMPX_UPD_HYSTERESIS) < 0 ||
+        PyModule_AddIntConstant(m, "UPD_AT_MIN", AMPX_UPD_AT_MIN) < 0)
+        return -1;
+    return 0;
+}
+
+#define STATE_OBJECTS(X)                                                                                   \
+    X(tensor_type) X(dtypes[0]) X(dtypes[1]) X(dtypes[2]) X(dtypes[3]) X(dtype_u8) X(dtype_i32)            \
+        X(internal_overlap) X(strided) X(s_dtype) X(s_is_cpu) X(s_is_cuda) X(s_device) X(s_layout) X(s_numel)         \
+            X(s_is_contiguous) X(s_data_ptr) X(s_contiguous) X(s_copy_)
+
+static int m_traverse(PyObject *m, visitproc visit, void *arg)
+{
+    mstate *st = get_state(m);
+    if (st == NULL)
+        return 0;
+#define VISIT(f) Py_VISIT(st->f);
+    STATE_OBJECTS(VISIT)
+#undef VISIT
+    return 0;
+}
+
+static int m_clear(PyObject *m)
+{
+    mstate *st = get_state(m);
+    if (st == NULL)
+        return 0;
+#define CLEAR(f) Py_CLEAR(st->f);
+    STATE_OBJECTS(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void m_free(void *m) { m_clear((PyObject *)m); }
+
+static PyModuleDef_Slot slots[] = {
+    {Py_mod_exec, (void *)exec_module},
+    {0, NULL},
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT,
+    "ampx._C",
+    "ampx's C kernels (private: use ampx.ops).",
+    sizeof(mstate),
+    methods,
+    slots,
+    m_traverse,
+    m_clear,
+    m_free,
+};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&moduledef); }
