@@ -32,6 +32,7 @@ from . import _C
 
 __all__ = [
     "unscale_",
+    "check_finite",
     "norm",
     "unscale_norm_",
     "mul_",
@@ -110,6 +111,17 @@ def unscale_(tensors, inv_scale, found_inf, *, flags=None):
     tensors = _as_list(tensors, "tensors")
     _C.scale_reduce("ampx.ops.unscale_", tensors, _SCALE | _WRITE | _CHECK, inv_scale, found_inf, flags,
                     None, None, _threads())
+
+
+def check_finite(tensors, found_inf, *, flags=None):
+    """Sets ``found_inf`` to 1.0 if any element is inf or NaN; reads only.
+
+    The check of ``unscale_`` without the multiply and without a write, for
+    callers that leave unscaling to someone else (fused optimizers).
+    Arguments and errors as for ``unscale_``.
+    """
+    tensors = _as_list(tensors, "tensors")
+    _C.scale_reduce("ampx.ops.check_finite", tensors, _CHECK, None, found_inf, flags, None, None, _threads())
 
 
 def norm(tensors, ord=2.0, *, factor=None, found_inf=None, flags=None, per_tensor=False):

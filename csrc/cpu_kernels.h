@@ -26,6 +26,7 @@
 /* The modes that have kernels; any other is rejected by the launcher. */
 #define AMPX_MODE_MUL (AMPX_M_SCALE | AMPX_M_WRITE)
 #define AMPX_MODE_UNSCALE (AMPX_M_SCALE | AMPX_M_WRITE | AMPX_M_CHECK)
+#define AMPX_MODE_CHECK AMPX_M_CHECK
 #define AMPX_MODE_NORM(r) (AMPX_M_CHECK | ((r) << AMPX_M_REDUCE_SHIFT))
 #define AMPX_MODE_NORM_SCALED(r) (AMPX_M_SCALE | AMPX_M_CHECK | ((r) << AMPX_M_REDUCE_SHIFT))
 #define AMPX_MODE_UNSCALE_NORM(r) (AMPX_MODE_UNSCALE | ((r) << AMPX_M_REDUCE_SHIFT))

@@ -261,7 +261,7 @@ AMPX_INLINE unsigned cast_body_f64(int sdt, int ddt, int sr, const void *src, vo
 /* ---- specialisations and the table --------------------------------------- */
 
 #define AMPX_SCALE_MODES(X, name, dt)                                                            \
-    X(name, dt, 3) X(name, dt, 7) X(name, dt, 15) X(name, dt, 23) X(name, dt, 31)               \
+    X(name, dt, 3) X(name, dt, 4) X(name, dt, 7) X(name, dt, 15) X(name, dt, 23) X(name, dt, 31)               \
         X(name, dt, 12) X(name, dt, 20) X(name, dt, 28) X(name, dt, 13) X(name, dt, 21)          \
             X(name, dt, 29)
 

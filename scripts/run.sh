@@ -25,7 +25,7 @@ V=.venv/bin
 if ! "$V/python" -c "import torch, pytest, hypothesis, numpy" 2>/dev/null; then
   "$V/python" -m pip install -q --upgrade pip
   "$V/python" -m pip install -q "torch==2.13.0"
-  "$V/python" -m pip install -q "pytest>=7" "hypothesis>=6" numpy "setuptools>=64" wheel
+  "$V/python" -m pip install -q "pytest>=7" "hypothesis>=6" numpy "setuptools>=77" wheel
 fi
 # Rebuild every time: cheap, and never a stale extension.
 "$V/python" -m pip install -q --no-build-isolation --no-deps -e . >/dev/null
