@@ -259,6 +259,25 @@ def update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_facto
     return scale
 
 
+def _scaler_pass(tensors, mode_reduce, factor, found_inf, flags, write, refuse_fp16):
+    """The scaler's one pass over its gradients (private).
+
+    write=True: unscale in place (and reduce if mode_reduce); write=False:
+    read-only check (and norm of the products with factor if mode_reduce).
+    Returns the total as a 0-dim float32 tensor when reducing, else None.
+    Raises _C.LayoutError (a ValueError) for sparse tensors before writing.
+    """
+    mode = _CHECK | (mode_reduce << _SHIFT)
+    if write:
+        mode |= _SCALE | _WRITE
+    elif mode_reduce and factor is not None:
+        mode |= _SCALE
+    total = torch.zeros((), dtype=torch.float32) if mode_reduce else None
+    _C.scale_reduce("ampx.GradScaler", tensors, mode, factor, found_inf, flags, None, total, _threads(),
+                    refuse_fp16)
+    return total
+
+
 def simd_level():
     """The CPU kernel level in use: "avx512", "avx2" or "portable"."""
     return _C.simd()

@@ -35,6 +35,7 @@ typedef struct {
     PyObject *dtype_u8, *dtype_i32;
     PyObject *internal_overlap; /* torch._debug_has_internal_overlap */
     PyObject *strided;          /* torch.strided */
+    PyObject *layout_error;     /* ampx._C.LayoutError, a ValueError */
     PyObject *s_dtype, *s_is_cpu, *s_is_cuda, *s_device, *s_layout, *s_numel, *s_is_contiguous,
         *s_data_ptr, *s_contiguous, *s_copy_;
 } mstate;
@@ -160,7 +161,7 @@ static int layout_error(mstate *st, const char *op, const char *arg, Py_ssize_t 
     if (layout == NULL)
         return -1;
     if (layout != st->strided || always)
-        PyErr_Format(PyExc_ValueError, "%s: %s[%zd] has layout %S; ampx works on strided (dense) tensors",
+        PyErr_Format(st->layout_error, "%s: %s[%zd] has layout %S; ampx works on strided (dense) tensors",
                      op, arg, i, layout);
     int bad = layout != st->strided || always;
     Py_DECREF(layout);
@@ -314,7 +315,8 @@ static void tlist_free(tlist *L)
  * be written (`write`), a non-contiguous tensor must not overlap itself; its
  * copy is made later, when it is processed. For a read-only list the copy
  * is made here. On error L is freed and an exception is set. */
-static int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *seq, int write, tlist *L)
+static int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *seq, int write,
+                        int refuse_fp16, tlist *L)
 {
     memset(L, 0, sizeof *L);
     if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
@@ -350,6 +352,11 @@ static int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *s
             goto error;
         if ((d->dtype = dtype_code(st, op, arg, i, t)) < 0)
             goto error;
+        if (refuse_fp16 && d->dtype == AMPX_F16) {
+            /* torch.amp.GradScaler's own words, for drop-in compatibility. */
+            PyErr_SetString(PyExc_ValueError, "Attempting to unscale FP16 gradients.");
+            goto error;
+        }
         L->total += d->numel;
         if (d->numel == 0)
             continue;
@@ -491,7 +498,7 @@ static void write_outputs(const ampx_partial *parts, Py_ssize_t n, int reduce, f
         *total = (float)finish_reduce(reduce, all.acc);
 }
 
-/* scale_reduce(op, tensors, mode, factor, found_inf, flags, per_tensor, out, nthreads)
+/* scale_reduce(op, tensors, mode, factor, found_inf, flags, per_tensor, out, nthreads, refuse_fp16)
  *
  * The one entry point of unscale_, norm, unscale_norm_ and mul_: runs the
  * scale kernel in `mode` over the tensors. */
@@ -500,9 +507,9 @@ static PyObject *py_scale_reduce(PyObject *module, PyObject *args)
     mstate *st = get_state(module);
     const char *op;
     PyObject *seq, *factor_o, *found_o, *flags_o, *per_o, *out_o;
-    int mode, nthreads;
-    if (!PyArg_ParseTuple(args, "sOiOOOOOi:scale_reduce", &op, &seq, &mode, &factor_o, &found_o, &flags_o,
-                          &per_o, &out_o, &nthreads))
+    int mode, nthreads, refuse_fp16 = 0;
+    if (!PyArg_ParseTuple(args, "sOiOOOOOi|p:scale_reduce", &op, &seq, &mode, &factor_o, &found_o, &flags_o,
+                          &per_o, &out_o, &nthreads, &refuse_fp16))
         return NULL;
     if (require_init(st) < 0)
         return NULL;
@@ -512,7 +519,7 @@ static PyObject *py_scale_reduce(PyObject *module, PyObject *args)
     }
     const int write = mode & AMPX_M_WRITE, reduce = AMPX_MODE_REDUCE(mode);
     tlist L;
-    if (tlist_gather(st, op, "tensors", seq, write, &L) < 0)
+    if (tlist_gather(st, op, "tensors", seq, write, refuse_fp16, &L) < 0)
         return NULL;
 
     PyObject *result = NULL;
@@ -596,9 +603,9 @@ static PyObject *py_cast(PyObject *module, PyObject *args)
     if (require_init(st) < 0)
         return NULL;
     tlist S, D;
-    if (tlist_gather(st, op, "src", src_o, 0, &S) < 0)
+    if (tlist_gather(st, op, "src", src_o, 0, 0, &S) < 0)
         return NULL;
-    if (tlist_gather(st, op, "dst", dst_o, 1, &D) < 0) {
+    if (tlist_gather(st, op, "dst", dst_o, 1, 0, &D) < 0) {
         tlist_free(&S);
         return NULL;
     }
@@ -845,6 +852,16 @@ static int exec_module(PyObject *m)
         intern(&st->s_is_contiguous, "is_contiguous") < 0 || intern(&st->s_data_ptr, "data_ptr") < 0 ||
         intern(&st->s_contiguous, "contiguous") < 0 || intern(&st->s_copy_, "copy_") < 0)
         return -1;
+    st->layout_error = PyErr_NewExceptionWithDoc(
+        "ampx._C.LayoutError", "A tensor without strides (sparse, ...) was given to a dense kernel.",
+        PyExc_ValueError, NULL);
+    if (st->layout_error == NULL)
+        return -1;
+    Py_INCREF(st->layout_error);
+    if (PyModule_AddObject(m, "LayoutError", st->layout_error) < 0) {
+        Py_DECREF(st->layout_error);
+        return -1;
+    }
     ampx_cpu_dispatch_init();
     if (PyModule_AddIntConstant(m, "CHUNK", (long)AMPX_CHUNK) < 0 ||
         PyModule_AddIntConstant(m, "PARALLEL_MIN", (long)AMPX_PARALLEL_MIN_DEFAULT) < 0 ||
@@ -865,7 +882,7 @@ static int exec_module(PyObject *m)
 
 #define STATE_OBJECTS(X)                                                                                   \
     X(tensor_type) X(dtypes[0]) X(dtypes[1]) X(dtypes[2]) X(dtypes[3]) X(dtype_u8) X(dtype_i32)            \
-        X(internal_overlap) X(strided) X(s_dtype) X(s_is_cpu) X(s_is_cuda) X(s_device) X(s_layout) X(s_numel)         \
+        X(internal_overlap) X(strided) X(layout_error) X(s_dtype) X(s_is_cpu) X(s_is_cuda) X(s_device) X(s_layout) X(s_numel)         \
             X(s_is_contiguous) X(s_data_ptr) X(s_contiguous) X(s_copy_)
 
 static int m_traverse(PyObject *m, visitproc visit, void *arg)

@@ -1,0 +1,478 @@
+"""ampx.GradScaler: a drop-in for torch.amp.GradScaler on fused kernels, with what torch lacks.
+
+It subclasses ``torch.amp.GradScaler`` (see docs/DESIGN.md for why), keeps its attributes,
+stage machine, error messages and ``state_dict`` keys, and replaces the work: every unscale,
+inf check, norm and scale update is one call of an ``ampx.ops`` kernel over all gradients of a
+device, whatever their dtypes.
+"""
+import logging
+import math
+from collections import deque
+
+import torch
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+
+from . import _C, ops
+
+__all__ = ["GradScaler", "OverflowReport"]
+
+logger = logging.getLogger("ampx")
+
+_ORD = {2.0: 1, 1.0: 2, math.inf: 3}
+_MIN_SCALE_ACTIONS = ("warn", "raise", "ignore")
+
+
+class OverflowReport:
+    """Which parameters held inf or NaN gradients on a skipped step.
+
+    Attributes:
+        step: the scaler's step count (``stats()["steps"]``) of the skipped step.
+        inf: names of parameters whose gradient held +-inf.
+        nan: names of parameters whose gradient held NaN.
+    """
+
+    def __init__(self, step, inf, nan):
+        self.step = step
+        self.inf = inf
+        self.nan = nan
+
+    def __repr__(self):
+        return f"OverflowReport(step={self.step}, inf={self.inf}, nan={self.nan})"
+
+
+class GradScaler(torch.amp.GradScaler):
+    """Loss scaling for mixed-precision training; a drop-in for ``torch.amp.GradScaler``.
+
+    Without the keyword-only extras it behaves exactly as torch's scaler (same scale after
+    every update, same skipped steps, same state_dict), only faster.
+
+    Args:
+        device, init_scale, growth_factor, backoff_factor, growth_interval, enabled: as in
+            ``torch.amp.GradScaler``.
+        hysteresis: overflows tolerated before the scale backs off (DeepSpeed's
+            ``hysteresis`` / Megatron's ``hysteresis``); refilled when the scale grows.
+        consecutive_hysteresis: refill the hysteresis on every clean step instead.
+        min_scale, max_scale: bounds the scale never leaves (default: none, as torch).
+        on_min_scale: what an overflow does while the scale already sits at ``min_scale``:
+            "warn" (log a warning and go on), "raise" (RuntimeError, as DeepSpeed) or "ignore".
+        dynamic: False for static loss scaling: the scale stays at ``init_scale`` (steps with
+            inf/NaN gradients are still skipped).
+        named_parameters: an iterable of (name, parameter), e.g. ``model.named_parameters()``,
+            used to name parameters in overflow reports (see ``watch``).
+        history: how many (step, scale) pairs ``stats()`` keeps.
+        on_overflow: optional callable receiving an ``OverflowReport`` after each skipped step.
+
+    Raises:
+        AssertionError: growth_factor <= 1 or backoff_factor >= 1 (torch's check).
+        ValueError: a bad extra (hysteresis < 1, min_scale > max_scale, unknown on_min_scale).
+    """
+
+    def __init__(self, device="cuda", init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
+                 growth_interval=2000, enabled=True, *, hysteresis=1, consecutive_hysteresis=False,
+                 min_scale=None, max_scale=None, on_min_scale="warn", dynamic=True,
+                 named_parameters=None, history=1000, on_overflow=None):
+        super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+        if int(hysteresis) != hysteresis or hysteresis < 1:
+            raise ValueError(f"hysteresis must be an integer >= 1, not {hysteresis!r}")
+        lo = 0.0 if min_scale is None else float(min_scale)
+        hi = math.inf if max_scale is None else float(max_scale)
+        if not (0.0 <= lo <= hi):
+            raise ValueError(f"need 0 <= min_scale <= max_scale, got min_scale={min_scale}, max_scale={max_scale}")
+        if on_min_scale not in _MIN_SCALE_ACTIONS:
+            raise ValueError(f"on_min_scale must be one of {_MIN_SCALE_ACTIONS}, not {on_min_scale!r}")
+        self._hysteresis = int(hysteresis)
+        self._consecutive_hysteresis = bool(consecutive_hysteresis)
+        self._min_scale = lo
+        self._max_scale = hi
+        self._on_min_scale = on_min_scale
+        self._dynamic = bool(dynamic)
+        self._init_hysteresis_tracker = self._hysteresis
+        self._hysteresis_tracker = None
+        self._param_names = {}
+        if named_parameters is not None:
+            self.watch(named_parameters)
+        self._on_overflow = on_overflow
+        self._history = deque(maxlen=int(history))
+        self._steps = 0
+        self._skipped = 0
+        self._scale_lo = math.inf
+        self._scale_hi = 0.0
+        self._last_norm = None
+        self._last_report = None
+        self.last_step_skipped = False
+        # Per optimizer, for the overflow report: (params, per-tensor flags) of the last pass.
+        self._flag_sources = {}
+
+    # ---- set-up -----------------------------------------------------------------------
+
+    def watch(self, named_parameters):
+        """Names parameters for overflow reports: ``scaler.watch(model.named_parameters())``."""
+        for name, p in named_parameters:
+            self._param_names[id(p)] = name
+        return self
+
+    def _lazy_init_scale_growth_tracker(self, dev):
+        super()._lazy_init_scale_growth_tracker(dev)
+        self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
+
+    # ---- the passes over gradients ----------------------------------------------------
+
+    @staticmethod
+    def _params_with_grads(optimizer):
+        params = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if not isinstance(p, torch.Tensor):
+                    raise AssertionError(f"expected param to be torch.Tensor, got {type(p).__name__}")
+                if p.grad is not None:
+                    params.append(p)
+        return params
+
+    @staticmethod
+    def _dense_views(params, allow_fp16):
+        """The tensors the kernels see: each grad, or a sparse grad's values (coalesced if fp16)."""
+        out = []
+        for p in params:
+            g = p.grad
+            if (not allow_fp16) and g.dtype == torch.float16:
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            if g.is_sparse:
+                if g.dtype is torch.float16:
+                    p.grad = g = g.coalesce()
+                g = g._values()
+            out.append(g)
+        return out
+
+    def _grad_pass(self, optimizer, inv_scale, found_inf, allow_fp16, write, reduce=0):
+        """One kernel call over the optimizer's gradients; returns ({device: found_inf}, total).
+
+        write: unscale in place by inv_scale; otherwise read only (norm of grads * inv_scale).
+        Sparse gradients, or gradients on several devices, take a slower grouped path.
+        """
+        params = self._params_with_grads(optimizer)
+        flags = torch.zeros(len(params), dtype=torch.uint8)
+        self._flag_sources[id(optimizer)] = (params, flags)
+        grads = [p.grad for p in params]
+        with torch.no_grad():
+            try:
+                total = ops._scaler_pass(grads, reduce, inv_scale, found_inf, flags, write, not allow_fp16)
+            except _C.LayoutError:
+                grads = self._dense_views(params, allow_fp16)
+                total = ops._scaler_pass(grads, reduce, inv_scale, found_inf, flags, write, not allow_fp16)
+        return {found_inf.device: found_inf}, total
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        # torch's hook, kept with its signature: libraries call it.
+        per_device, _ = self._grad_pass(optimizer, inv_scale, found_inf, allow_fp16, write=True)
+        return per_device
+
+    def _inv_scale(self):
+        # torch forms the reciprocal in float64, then rounds to float32.
+        return self._scale.double().reciprocal().float()
+
+    def _new_found_inf(self):
+        return torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
+
+    def _check_inf_per_device(self, optimizer):
+        # Read-only: torch multiplies every gradient by 1.0 to learn the same thing.
+        self._check_scale_growth_tracker("_check_inf_per_device")
+        per_device, _ = self._grad_pass(optimizer, None, self._new_found_inf(), True, write=False)
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = per_device
+        return per_device
+
+    # ---- clipping ---------------------------------------------------------------------
+
+    def clip_grad_norm_(self, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """Unscales and clips the optimizer's gradients; returns their total norm (unscaled).
+
+        Replaces ``scaler.unscale_(opt); torch.nn.utils.clip_grad_norm_(params, max_norm)``.
+        The norm comes from the same pass that checks for inf/NaN. Then:
+
+        * optimizers that handle scaling themselves (torch's fused Adam/AdamW/SGD): nothing is
+          written; the clip coefficient is folded into the ``grad_scale`` that ``step`` hands
+          them, so gradients stay scaled until the optimizer's own kernel reads them;
+        * other optimizers: one in-place pass multiplies by ``inv_scale * clip_coef``.
+
+        Call it once per optimizer per step, after backward and before ``step``. If
+        ``unscale_`` was called first, it clips the already-unscaled gradients.
+
+        Args:
+            optimizer: the optimizer whose gradients to clip.
+            max_norm: the largest allowed total norm.
+            norm_type: 2, 1 or inf (others fall back to torch's clip_grad_norm_).
+            error_if_nonfinite: raise RuntimeError if the norm is inf/NaN (forces a host sync;
+                an overflowing step is normally just skipped).
+
+        Returns:
+            The total norm as a 0-dim float32 tensor (inf/NaN on an overflowing step).
+
+        Raises:
+            RuntimeError: called twice, or after ``step``, in the same iteration.
+        """
+        if not self._enabled:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        self._check_scale_growth_tracker("clip_grad_norm_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state.get("clipped"):
+            raise RuntimeError("clip_grad_norm_() has already been called on this optimizer since the last update().")
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("clip_grad_norm_() is being called after step().")
+        reduce = _ORD.get(float(norm_type))
+        if reduce is None:
+            if state["stage"] is OptState.READY:
+                self.unscale_(optimizer)
+            params = [p for p in self._params_with_grads(optimizer)]
+            total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+            state["clipped"] = True
+            return total
+
+        if state["stage"] is OptState.READY:
+            inv = self._inv_scale()
+            found_inf = self._new_found_inf()
+            per_device, total = self._grad_pass(optimizer, inv, found_inf, False, write=False, reduce=reduce)
+            state["found_inf_per_device"] = per_device
+        else:  # already unscaled by unscale_()
+            inv = None
+            _, total = self._grad_pass(optimizer, None, self._new_found_inf(), True, write=False, reduce=reduce)
+        if error_if_nonfinite and not math.isfinite(total.item()):
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, "
+                "so it cannot be clipped. To disable this error and scale the gradients by the non-finite "
+                "norm anyway, set `error_if_nonfinite=False`")
+        # torch's rule: coef = max_norm / (norm + 1e-6), at most 1.
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        self._last_norm = total
+        state["clipped"] = True
+        if inv is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+            # Folded into the fused optimizer's grad_scale at step(); nothing written now.
+            state["clip_coef"] = coef
+            state["stage"] = OptState.READY
+            state["inf_checked"] = True
+            return total
+        factor = coef if inv is None else inv * coef
+        params = self._params_with_grads(optimizer)
+        with torch.no_grad():
+            try:
+                ops.mul_([p.grad for p in params], factor)
+            except _C.LayoutError:
+                ops.mul_(self._dense_views(params, True), factor)
+        state["stage"] = OptState.UNSCALED
+        return total
+
+    # ---- step and update --------------------------------------------------------------
+
+    def unscale_(self, optimizer):
+        """Unscales the optimizer's gradients in place and checks them for inf/NaN (as torch)."""
+        if not self._enabled:
+            return
+        state = self._per_optimizer_states[id(optimizer)]
+        if state.get("inf_checked") and state["stage"] is OptState.READY:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        super().unscale_(optimizer)
+
+    def step(self, optimizer, *args, **kwargs):
+        """Steps the optimizer unless its gradients held inf/NaN; returns what its step returns.
+
+        As ``torch.amp.GradScaler.step``. ``last_step_skipped`` tells afterwards whether the
+        step was skipped (for optimizers that handle scaling themselves, reading it waits for
+        the device; nothing else does).
+        """
+        if not self._enabled:
+            self.last_step_skipped = False
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_scale_growth_tracker("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            import inspect
+
+            if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+                # The deprecated contract: the optimizer drives the scaler itself.
+                return super().step(optimizer, *args, **kwargs)
+            if state["stage"] is OptState.READY and not state.get("inf_checked"):
+                self._check_inf_per_device(optimizer)
+            found = list(state["found_inf_per_device"].values())
+            found_inf = found[0] if len(found) == 1 else sum(t.to(self._scale.device) for t in found)
+            if state["stage"] is OptState.UNSCALED:
+                grad_scale = getattr(optimizer, "grad_scale", None)
+            else:
+                grad_scale = self._scale * getattr(optimizer, "grad_scale", 1)
+                coef = state.get("clip_coef")
+                if coef is not None:
+                    grad_scale = grad_scale / coef
+            optimizer.grad_scale = grad_scale
+            optimizer.found_inf = found_inf
+            try:
+                retval = optimizer.step(*args, **kwargs)
+            finally:
+                del optimizer.grad_scale
+                del optimizer.found_inf
+            state["stage"] = OptState.STEPPED
+            self.last_step_skipped = _LazySkip(found_inf)
+            return retval
+
+        if state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        if len(state["found_inf_per_device"]) == 0:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        skipped = bool(sum(v.item() for v in state["found_inf_per_device"].values()))
+        retval = None if skipped else optimizer.step(*args, **kwargs)
+        state["stage"] = OptState.STEPPED
+        self.last_step_skipped = skipped
+        return retval
+
+    def update(self, new_scale=None):
+        """Updates the scale after all optimizers stepped (torch's rule, plus the extras).
+
+        ``update(new_scale)`` sets the scale (a float or a 1-element tensor), as in torch.
+        """
+        if not self._enabled:
+            return
+        scale, tracker = self._check_scale_growth_tracker("update")
+        if new_scale is not None:
+            super().update(new_scale)
+            self._record(skipped=False)
+            return
+        found_infs = [f.to(device=scale.device, non_blocking=True)
+                      for st in self._per_optimizer_states.values()
+                      for f in st["found_inf_per_device"].values()]
+        if len(found_infs) == 0:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        found = found_infs[0]
+        for f in found_infs[1:]:
+            found = found + f
+        events = 0
+        if self._dynamic:
+            events = ops._update_scale_events(
+                scale, tracker, found, self._growth_factor, self._backoff_factor, self._growth_interval,
+                self._hysteresis, self._hysteresis_tracker if self._hysteresis > 1 else None,
+                self._consecutive_hysteresis, self._min_scale, self._max_scale)
+        skipped = bool(found.item()) if scale.device.type == "cpu" else None
+        if events & _C.UPD_AT_MIN:
+            msg = (f"ampx.GradScaler: gradients overflowed with the loss scale already at min_scale="
+                   f"{self._min_scale}; the step was skipped and the scale cannot fall further.")
+            if self._on_min_scale == "raise":
+                self._per_optimizer_states = _fresh_states()
+                raise RuntimeError(msg + " (on_min_scale='raise')")
+            if self._on_min_scale == "warn":
+                logger.warning(msg)
+        self._record(skipped=skipped)
+        self._per_optimizer_states = _fresh_states()
+        self._flag_sources = {}
+
+    # ---- telemetry and reports --------------------------------------------------------
+
+    def _record(self, skipped):
+        self._steps += 1
+        if skipped is None:  # a device scale: resolve lazily (no sync here)
+            skipped = False
+        if skipped:
+            self._skipped += 1
+            self._last_report = self._make_report()
+            logger.debug("ampx.GradScaler: step %d skipped (inf/NaN gradients); scale -> %s",
+                         self._steps, self._scale.item())
+            if self._on_overflow is not None:
+                self._on_overflow(self._last_report)
+        s = float(self._scale.item()) if self._scale.device.type == "cpu" else None
+        if s is not None:
+            self._scale_lo = min(self._scale_lo, s)
+            self._scale_hi = max(self._scale_hi, s)
+            self._history.append((self._steps, s))
+
+    def _make_report(self):
+        inf, nan = [], []
+        for params, flags in self._flag_sources.values():
+            bad = torch.nonzero(flags).flatten().tolist()
+            for i in bad:
+                p, f = params[i], int(flags[i])
+                name = self._param_names.get(id(p)) or f"param[{i}] {tuple(p.shape)}"
+                if f & ops.FLAG_INF:
+                    inf.append(name)
+                if f & ops.FLAG_NAN:
+                    nan.append(name)
+        return OverflowReport(self._steps, inf, nan)
+
+    def overflow_report(self):
+        """The ``OverflowReport`` of the most recent skipped step, or None."""
+        return self._last_report
+
+    def stats(self):
+        """Telemetry: steps, skipped_steps, scale, min/max scale seen, last_norm, history."""
+        return {
+            "steps": self._steps,
+            "skipped_steps": self._skipped,
+            "scale": self.get_scale(),
+            "min_scale_seen": None if self._steps == 0 else self._scale_lo,
+            "max_scale_seen": None if self._steps == 0 else self._scale_hi,
+            "last_norm": None if self._last_norm is None else float(self._last_norm),
+            "history": list(self._history),
+        }
+
+    # ---- state ------------------------------------------------------------------------
+
+    def _get_hysteresis_tracker(self):
+        if self._hysteresis_tracker is None:
+            return self._init_hysteresis_tracker
+        return int(self._hysteresis_tracker.item())
+
+    def state_dict(self):
+        """torch's five keys, plus ampx's extras (ignored by torch.amp.GradScaler.load_state_dict)."""
+        sd = super().state_dict()
+        if not sd:
+            return sd
+        sd.update({
+            "hysteresis": self._hysteresis,
+            "consecutive_hysteresis": self._consecutive_hysteresis,
+            "min_scale": self._min_scale,
+            "max_scale": self._max_scale,
+            "dynamic": self._dynamic,
+            "_hysteresis_tracker": self._get_hysteresis_tracker(),
+        })
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Loads a state_dict from ampx or from torch.amp.GradScaler (extras keep their values)."""
+        super().load_state_dict(state_dict)
+        if not self._enabled:
+            return
+        self._hysteresis = int(state_dict.get("hysteresis", self._hysteresis))
+        self._consecutive_hysteresis = bool(state_dict.get("consecutive_hysteresis", self._consecutive_hysteresis))
+        self._min_scale = float(state_dict.get("min_scale", self._min_scale))
+        self._max_scale = float(state_dict.get("max_scale", self._max_scale))
+        self._dynamic = bool(state_dict.get("dynamic", self._dynamic))
+        h = int(state_dict.get("_hysteresis_tracker", self._hysteresis))
+        self._init_hysteresis_tracker = h
+        if self._hysteresis_tracker is not None:
+            self._hysteresis_tracker.fill_(h)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        if self._enabled:
+            state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
+            state["_hysteresis_tracker"] = None
+        state["_flag_sources"] = {}
+        return state
+
+
+def _fresh_states():
+    from collections import defaultdict
+
+    return defaultdict(_refresh_per_optimizer_state)
+
+
+class _LazySkip:
+    """A bool that reads a device flag only when asked (no sync until then)."""
+
+    def __init__(self, found_inf):
+        self._found_inf = found_inf
+
+    def __bool__(self):
+        return bool(self._found_inf.item())
+
+    def __repr__(self):
+        return repr(bool(self))

@@ -1,0 +1,309 @@
+"""ampx.GradScaler: equivalence with torch.amp.GradScaler, and the extras against plain models."""
+import logging
+import math
+import pickle
+import random
+
+import pytest
+import torch
+
+import ampx
+
+OPTIMIZERS = ["SGD", "Adam", "AdamW"]
+IMPLS = [{"foreach": False}, {"foreach": True}, {"fused": True}]
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def _train(scaler, opt_name, impl, steps, seed, overflow_steps, clip=None, dtype=torch.bfloat16):
+    """Trains a small MLP; returns (scales after each update, skip decisions, final params)."""
+    model = _model(seed)
+    opt = getattr(torch.optim, opt_name)(model.parameters(), lr=1e-3, **impl)
+    gen = torch.Generator().manual_seed(seed + 1)
+    scales, skips = [], []
+    for i in range(steps):
+        x = torch.randn(8, 16, generator=gen)
+        y = torch.randn(8, 4, generator=gen)
+        with torch.autocast("cpu", dtype=dtype):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        if i in overflow_steps:
+            p = list(model.parameters())[overflow_steps[i] % 4]
+            p.grad.view(-1)[i % p.numel()] = float("inf") if i % 2 else float("nan")
+        if clip is not None:
+            if isinstance(scaler, ampx.GradScaler):
+                scaler.clip_grad_norm_(opt, clip)
+            else:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        before = scaler.get_scale()
+        scaler.step(opt)
+        found = sum(v.item() for v in scaler._found_inf_per_device(opt).values())
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+        skips.append(bool(found))
+        if isinstance(scaler, ampx.GradScaler):
+            assert bool(scaler.last_step_skipped) == bool(found)
+        del before
+    return scales, skips, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("opt_name", OPTIMIZERS)
+@pytest.mark.parametrize("impl", IMPLS, ids=["forloop", "foreach", "fused"])
+def test_equivalent_to_torch_over_300_steps(opt_name, impl):
+    rng = random.Random(7)
+    overflow = {s: rng.randrange(1000) for s in rng.sample(range(300), 40)}
+    kw = dict(init_scale=2.0**12, growth_interval=5)
+    s_t, k_t, p_t = _train(torch.amp.GradScaler("cpu", **kw), opt_name, impl, 300, 3, overflow)
+    s_a, k_a, p_a = _train(ampx.GradScaler("cpu", **kw), opt_name, impl, 300, 3, overflow)
+    assert s_a == s_t
+    assert k_a == k_t
+    assert sum(k_t) >= 30  # the injected overflows really were skipped
+    assert len(set(s_t)) > 3  # and the scale really moved both ways
+    for a, t in zip(p_a, p_t):
+        torch.testing.assert_close(a, t, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("opt_name", OPTIMIZERS)
+@pytest.mark.parametrize("impl", IMPLS, ids=["forloop", "foreach", "fused"])
+def test_clip_grad_norm_matches_unscale_then_torch_clip(opt_name, impl):
+    rng = random.Random(11)
+    overflow = {s: rng.randrange(1000) for s in rng.sample(range(60), 6)}
+    kw = dict(init_scale=2.0**12, growth_interval=5)
+    s_t, k_t, p_t = _train(torch.amp.GradScaler("cpu", **kw), opt_name, impl, 60, 5, overflow, clip=0.05)
+    s_a, k_a, p_a = _train(ampx.GradScaler("cpu", **kw), opt_name, impl, 60, 5, overflow, clip=0.05)
+    assert s_a == s_t and k_a == k_t
+    for a, t in zip(p_a, p_t):
+        torch.testing.assert_close(a, t, rtol=1e-4, atol=1e-4)
+
+
+def _grads_model(seed=0):
+    model = _model(seed)
+    x = torch.randn(32, 16)
+    model(x).square().sum().backward()
+    return model
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf, 3.0])
+def test_clip_grad_norm_returns_torch_norm_and_clips(norm_type):
+    ref_model, model = _grads_model(), _grads_model()
+    scale = 2.0**8
+    for m in (ref_model, model):
+        for p in m.parameters():
+            p.grad.mul_(scale)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    ref_scaler.scale(torch.ones(()))
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    ref_scaler.unscale_(ref_opt)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5, norm_type)
+
+    scaler = ampx.GradScaler("cpu", init_scale=scale)
+    scaler.scale(torch.ones(()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    norm = scaler.clip_grad_norm_(opt, 0.5, norm_type)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+    assert norm.item() > 0.5  # so clipping really happened
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    with pytest.raises(RuntimeError, match="already been called"):
+        scaler.clip_grad_norm_(opt, 0.5, norm_type)
+    with pytest.raises(RuntimeError, match="already been called"):
+        scaler.unscale_(opt)
+
+
+def test_clip_is_folded_into_a_fused_optimizers_grad_scale():
+    model = _grads_model()
+    for p in model.parameters():
+        p.grad.mul_(2.0**8)
+    scaled = [p.grad.clone() for p in model.parameters()]
+    scaler = ampx.GradScaler("cpu", init_scale=2.0**8)
+    scaler.scale(torch.ones(()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    seen = {}
+    real_step = opt.step
+
+    def spy_step(*a, **k):
+        seen["grad_scale"] = opt.grad_scale.clone()
+        seen["grads"] = [p.grad.clone() for p in model.parameters()]
+        return real_step(*a, **k)
+
+    opt.step = spy_step
+    norm = scaler.clip_grad_norm_(opt, 0.5)
+    # Nothing was written: the gradients are still scaled when the fused step runs,
+    for g, s in zip([p.grad for p in model.parameters()], scaled):
+        assert torch.equal(g, s)
+    scaler.step(opt)
+    for g, s in zip(seen["grads"], scaled):
+        assert torch.equal(g, s)
+    # and the optimizer divides by scale / clip_coef.
+    coef = min(1.0, 0.5 / (norm.item() + 1e-6))
+    assert seen["grad_scale"].item() == pytest.approx(2.0**8 / coef, rel=1e-6)
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+
+
+def test_fused_step_against_separate_unscale_clip_step():
+    models = [_grads_model(), _grads_model()]
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.01, fused=True) for m in models]
+    for m in models:
+        for p in m.parameters():
+            p.grad.mul_(2.0**8)
+    s1 = ampx.GradScaler("cpu", init_scale=2.0**8)
+    s2 = ampx.GradScaler("cpu", init_scale=2.0**8)
+    for s in (s1, s2):
+        s.scale(torch.ones(()))
+    s1.clip_grad_norm_(opts[0], 0.5)  # folded
+    s1.step(opts[0])
+    s2.unscale_(opts[1])  # separate
+    torch.nn.utils.clip_grad_norm_(models[1].parameters(), 0.5)
+    s2.step(opts[1])
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+# ---- extras against a plain-Python model of their rules ------------------------------------
+
+def _model_update(state, overflow, cfg):
+    """DeepSpeed/Megatron's rule on Python floats (float32 rounding via torch)."""
+    f32 = lambda v: torch.tensor(v, dtype=torch.float64).float().item()  # noqa: E731
+    if overflow:
+        state["tracker"] = 0
+        if state["hyst"] > 1:
+            state["hyst"] -= 1
+            return
+        state["scale"] = max(f32(state["scale"] * cfg["backoff_factor"]), cfg["min_scale"])
+        return
+    if cfg["consecutive_hysteresis"]:
+        state["hyst"] = cfg["hysteresis"]
+    state["tracker"] += 1
+    if state["tracker"] == cfg["growth_interval"]:
+        new = min(f32(state["scale"] * cfg["growth_factor"]), cfg["max_scale"])
+        if math.isfinite(new):
+            state["scale"] = new
+        state["tracker"] = 0
+        state["hyst"] = cfg["hysteresis"]
+
+
+@pytest.mark.parametrize("consecutive", [False, True])
+@pytest.mark.parametrize("hysteresis", [1, 2, 4])
+def test_extras_follow_the_model(hysteresis, consecutive):
+    cfg = dict(init_scale=2.0**6, growth_factor=2.0, backoff_factor=0.5, growth_interval=3,
+               hysteresis=hysteresis, consecutive_hysteresis=consecutive, min_scale=1.0, max_scale=2.0**9)
+    scaler = ampx.GradScaler("cpu", **cfg, on_min_scale="ignore")
+    state = {"scale": cfg["init_scale"], "tracker": 0, "hyst": hysteresis}
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([p], lr=0.0)
+    rng = random.Random(hysteresis * 10 + consecutive)
+    for step in range(400):
+        overflow = rng.random() < 0.3
+        scaler.scale(p.sum()).backward()
+        if overflow:
+            p.grad[1] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        _model_update(state, overflow, cfg)
+        assert scaler.get_scale() == state["scale"], step
+        assert 1.0 <= scaler.get_scale() <= 2.0**9
+
+
+def test_min_scale_actions(caplog):
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+
+    def overflow_step(scaler):
+        scaler.scale(p.sum()).backward()
+        p.grad[0] = float("nan")
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    s = ampx.GradScaler("cpu", init_scale=4.0, min_scale=2.0, on_min_scale="raise")
+    overflow_step(s)  # 4 -> 2
+    assert s.get_scale() == 2.0
+    with pytest.raises(RuntimeError, match="min_scale"):
+        overflow_step(s)
+    s = ampx.GradScaler("cpu", init_scale=2.0, min_scale=2.0, on_min_scale="warn")
+    with caplog.at_level(logging.WARNING, logger="ampx"):
+        overflow_step(s)
+    assert s.get_scale() == 2.0
+    assert any("min_scale" in r.message for r in caplog.records)
+    with pytest.raises(ValueError):
+        ampx.GradScaler("cpu", on_min_scale="explode")
+    with pytest.raises(ValueError):
+        ampx.GradScaler("cpu", min_scale=4.0, max_scale=2.0)
+    with pytest.raises(ValueError):
+        ampx.GradScaler("cpu", hysteresis=0)
+
+
+def test_static_scaling_keeps_the_scale_and_still_skips():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.5)
+    s = ampx.GradScaler("cpu", init_scale=128.0, growth_interval=1, dynamic=False)
+    for i in range(6):
+        s.scale(p.sum()).backward()
+        if i == 2:
+            p.grad[0] = float("inf")
+        before = p.detach().clone()
+        s.step(opt)
+        s.update()
+        opt.zero_grad()
+        assert s.get_scale() == 128.0
+        assert torch.equal(p.detach(), before) == (i == 2)
+        assert bool(s.last_step_skipped) == (i == 2)
+
+
+def test_overflow_report_names_parameters_and_telemetry():
+    model = _model(0)
+    reports = []
+    s = ampx.GradScaler("cpu", init_scale=2.0**10, growth_interval=2, named_parameters=model.named_parameters(),
+                        history=5, on_overflow=reports.append)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for i in range(12):
+        s.scale(model(torch.randn(4, 16)).sum()).backward()
+        if i == 4:
+            model[0].weight.grad[0, 0] = float("inf")
+            model[2].bias.grad[1] = float("nan")
+        s.step(opt)
+        s.update()
+        opt.zero_grad()
+    assert len(reports) == 1
+    rep = s.overflow_report()
+    assert rep is reports[0]
+    assert rep.inf == ["0.weight"] and rep.nan == ["2.bias"] and rep.step == 5
+    st = s.stats()
+    assert st["steps"] == 12 and st["skipped_steps"] == 1
+    assert st["min_scale_seen"] == 2.0**10 and st["max_scale_seen"] >= 2.0**12
+    assert len(st["history"]) == 5 and st["history"][-1] == (12, s.get_scale())
+
+
+def test_messages_go_through_logging_not_print(capsys, caplog):
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    s = ampx.GradScaler("cpu", init_scale=1.0, min_scale=1.0)
+    with caplog.at_level(logging.DEBUG, logger="ampx"):
+        s.scale(p.sum()).backward()
+        p.grad[0] = float("inf")
+        s.step(opt)
+        s.update()
+    assert capsys.readouterr() == ("", "")
+    assert caplog.records
+
+
+def test_state_dict_extras_round_trip_and_pickle():
+    s = ampx.GradScaler("cpu", init_scale=8.0, hysteresis=3, consecutive_hysteresis=True, min_scale=0.5,
+                        max_scale=1024.0, dynamic=True)
+    s.scale(torch.ones(()))
+    s._hysteresis_tracker.fill_(2)
+    sd = s.state_dict()
+    for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"):
+        assert k in sd
+    assert sd["hysteresis"] == 3 and sd["_hysteresis_tracker"] == 2 and sd["max_scale"] == 1024.0
+    t = ampx.GradScaler("cpu")
+    t.load_state_dict(sd)
+    assert t.state_dict() == sd
+    u = pickle.loads(pickle.dumps(s))
+    assert u.state_dict() == sd
