@@ -102,6 +102,7 @@ class GradScaler(torch.amp.GradScaler):
         self.last_step_skipped = False
         # Per optimizer, for the overflow report: (params, per-tensor flags) of the last pass.
         self._flag_sources = {}
+        self._last_grads = None
 
     # ---- set-up -----------------------------------------------------------------------
 
@@ -119,14 +120,8 @@ class GradScaler(torch.amp.GradScaler):
 
     @staticmethod
     def _params_with_grads(optimizer):
-        params = []
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if not isinstance(p, torch.Tensor):
-                    raise AssertionError(f"expected param to be torch.Tensor, got {type(p).__name__}")
-                if p.grad is not None:
-                    params.append(p)
-        return params
+        """(params, grads) for the optimizer's parameters whose .grad is set, in order."""
+        return _C.collect_grads(optimizer.param_groups)
 
     @staticmethod
     def _dense_views(params, allow_fp16):
@@ -149,16 +144,16 @@ class GradScaler(torch.amp.GradScaler):
         write: unscale in place by inv_scale; otherwise read only (norm of grads * inv_scale).
         Sparse gradients, or gradients on several devices, take a slower grouped path.
         """
-        params = self._params_with_grads(optimizer)
+        params, grads = self._params_with_grads(optimizer)
         flags = torch.zeros(len(params), dtype=torch.uint8)
         self._flag_sources[id(optimizer)] = (params, flags)
-        grads = [p.grad for p in params]
         with torch.no_grad():
             try:
                 total = ops._scaler_pass(grads, reduce, inv_scale, found_inf, flags, write, not allow_fp16)
             except _C.LayoutError:
                 grads = self._dense_views(params, allow_fp16)
                 total = ops._scaler_pass(grads, reduce, inv_scale, found_inf, flags, write, not allow_fp16)
+        self._last_grads = grads
         return {found_inf.device: found_inf}, total
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
@@ -222,7 +217,7 @@ class GradScaler(torch.amp.GradScaler):
         if reduce is None:
             if state["stage"] is OptState.READY:
                 self.unscale_(optimizer)
-            params = [p for p in self._params_with_grads(optimizer)]
+            params, _ = self._params_with_grads(optimizer)
             total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
             state["clipped"] = True
             return total
@@ -245,18 +240,16 @@ class GradScaler(torch.amp.GradScaler):
         self._last_norm = total
         state["clipped"] = True
         if inv is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+            self._last_grads = None
             # Folded into the fused optimizer's grad_scale at step(); nothing written now.
             state["clip_coef"] = coef
             state["stage"] = OptState.READY
             state["inf_checked"] = True
             return total
         factor = coef if inv is None else inv * coef
-        params = self._params_with_grads(optimizer)
         with torch.no_grad():
-            try:
-                ops.mul_([p.grad for p in params], factor)
-            except _C.LayoutError:
-                ops.mul_(self._dense_views(params, True), factor)
+            ops.mul_(self._last_grads, factor)  # the dense views of the pass just made
+        self._last_grads = None
         state["stage"] = OptState.UNSCALED
         return total
 
@@ -456,6 +449,7 @@ class GradScaler(torch.amp.GradScaler):
             state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
             state["_hysteresis_tracker"] = None
         state["_flag_sources"] = {}
+        state["_last_grads"] = None
         return state
 
 

@@ -37,7 +37,7 @@ typedef struct {
     PyObject *strided;          /* torch.strided */
     PyObject *layout_error;     /* ampx._C.LayoutError, a ValueError */
     PyObject *s_dtype, *s_is_cpu, *s_is_cuda, *s_device, *s_layout, *s_numel, *s_is_contiguous,
-        *s_data_ptr, *s_contiguous, *s_copy_;
+        *s_data_ptr, *s_contiguous, *s_copy_, *s_grad, *s_params;
 } mstate;
 
 /* Py_NewRef and Py_XSETREF are not in the 3.9 limited API. */
@@ -759,6 +759,78 @@ static PyObject *py_init(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* Appends (p, p.grad) for each parameter of `params` (any iterable) whose
+ * grad is not None. Returns 0, or -1 with an exception set. */
+static int collect_group(mstate *st, PyObject *params, PyObject *plist, PyObject *glist)
+{
+    PyObject *it = PyObject_GetIter(params);
+    if (it == NULL)
+        return -1;
+    PyObject *p;
+    while ((p = PyIter_Next(it)) != NULL) {
+        if (!PyObject_TypeCheck(p, (PyTypeObject *)st->tensor_type)) {
+            PyErr_Format(PyExc_AssertionError, "expected param to be torch.Tensor, got %R", (PyObject *)Py_TYPE(p));
+            Py_DECREF(p);
+            Py_DECREF(it);
+            return -1;
+        }
+        PyObject *g = PyObject_GetAttr(p, st->s_grad);
+        int rc = g == NULL ? -1 : 0;
+        if (rc == 0 && g != Py_None)
+            rc = (PyList_Append(plist, p) < 0 || PyList_Append(glist, g) < 0) ? -1 : 0;
+        Py_XDECREF(g);
+        Py_DECREF(p);
+        if (rc < 0) {
+            Py_DECREF(it);
+            return -1;
+        }
+    }
+    Py_DECREF(it);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* collect_grads(param_groups) -> (params, grads): the parameters of an
+ * optimizer's param_groups whose .grad is set, in order, and those grads.
+ * The scaler's per-step walk over its parameters, done in C. */
+static PyObject *py_collect_grads(PyObject *module, PyObject *groups)
+{
+    mstate *st = get_state(module);
+    if (require_init(st) < 0)
+        return NULL;
+    PyObject *plist = PyList_New(0), *glist = PyList_New(0), *it = NULL, *group;
+    if (plist == NULL || glist == NULL)
+        goto error;
+    if ((it = PyObject_GetIter(groups)) == NULL)
+        goto error;
+    while ((group = PyIter_Next(it)) != NULL) {
+        PyObject *params = PyObject_GetItem(group, st->s_params);
+        Py_DECREF(group);
+        if (params == NULL)
+            goto error;
+        int rc = collect_group(st, params, plist, glist);
+        Py_DECREF(params);
+        if (rc < 0)
+            goto error;
+    }
+    if (PyErr_Occurred())
+        goto error;
+    Py_DECREF(it);
+    PyObject *r = PyTuple_New(2);
+    if (r == NULL) {
+        Py_DECREF(plist);
+        Py_DECREF(glist);
+        return NULL;
+    }
+    PyTuple_SetItem(r, 0, plist); /* steals */
+    PyTuple_SetItem(r, 1, glist);
+    return r;
+error:
+    Py_XDECREF(it);
+    Py_XDECREF(plist);
+    Py_XDECREF(glist);
+    return NULL;
+}
+
 static PyObject *py_simd(PyObject *module, PyObject *unused)
 {
     (void)module;
@@ -829,6 +901,7 @@ static PyMethodDef methods[] = {
     {"scale_reduce", py_scale_reduce, METH_VARARGS, "Scale / check / reduce kernel over a tensor list."},
     {"cast", py_cast, METH_VARARGS, "Cast kernel between two tensor lists."},
     {"update_scale", py_update_scale, METH_VARARGS, "One loss-scale update on CPU tensors."},
+    {"collect_grads", py_collect_grads, METH_O, "(params, grads) of param_groups whose grad is set."},
     {"simd", py_simd, METH_NOARGS, "Name of the SIMD level in use."},
     {"simd_levels", py_simd_levels, METH_NOARGS, "SIMD levels this processor supports, best first."},
     {"set_simd", py_set_simd, METH_VARARGS, "Selects a SIMD level; returns the previous one."},
@@ -850,7 +923,8 @@ static int exec_module(PyObject *m)
         intern(&st->s_is_cuda, "is_cuda") < 0 || intern(&st->s_device, "device") < 0 ||
         intern(&st->s_layout, "layout") < 0 || intern(&st->s_numel, "numel") < 0 ||
         intern(&st->s_is_contiguous, "is_contiguous") < 0 || intern(&st->s_data_ptr, "data_ptr") < 0 ||
-        intern(&st->s_contiguous, "contiguous") < 0 || intern(&st->s_copy_, "copy_") < 0)
+        intern(&st->s_contiguous, "contiguous") < 0 || intern(&st->s_copy_, "copy_") < 0 ||
+        intern(&st->s_grad, "grad") < 0 || intern(&st->s_params, "params") < 0)
         return -1;
     st->layout_error = PyErr_NewExceptionWithDoc(
         "ampx._C.LayoutError", "A tensor without strides (sparse, ...) was given to a dense kernel.",
@@ -883,7 +957,7 @@ static int exec_module(PyObject *m)
 #define STATE_OBJECTS(X)                                                                                   \
     X(tensor_type) X(dtypes[0]) X(dtypes[1]) X(dtypes[2]) X(dtypes[3]) X(dtype_u8) X(dtype_i32)            \
         X(internal_overlap) X(strided) X(layout_error) X(s_dtype) X(s_is_cpu) X(s_is_cuda) X(s_device) X(s_layout) X(s_numel)         \
-            X(s_is_contiguous) X(s_data_ptr) X(s_contiguous) X(s_copy_)
+            X(s_is_contiguous) X(s_data_ptr) X(s_contiguous) X(s_copy_) X(s_grad) X(s_params)
 
 static int m_traverse(PyObject *m, visitproc visit, void *arg)
 {

@@ -1,0 +1,18 @@
+"""Every ```python block of the README runs, so the examples cannot rot."""
+import pathlib
+import re
+
+import pytest
+
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_readme_has_examples():
+    assert len(BLOCKS) >= 3
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_readme_example_runs(index):
+    code = BLOCKS[index]
+    exec(compile(code, f"README.md[python block {index}]", "exec"), {"__name__": "__readme__"})
