@@ -124,15 +124,20 @@ class GradScaler(torch.amp.GradScaler):
         return _C.collect_grads(optimizer.param_groups)
 
     @staticmethod
-    def _dense_views(params, allow_fp16):
-        """The tensors the kernels see: each grad, or a sparse grad's values (coalesced if fp16)."""
+    def _dense_views(params, allow_fp16, for_norm):
+        """The tensors the kernels see: each grad, or a sparse grad's values.
+
+        A sparse grad is coalesced first when it is float16 (torch's rule: duplicates summed
+        in fp16 may overflow, so check the sum) and whenever a norm is wanted (the norm of
+        uncoalesced values is not the norm of the gradient).
+        """
         out = []
         for p in params:
             g = p.grad
             if (not allow_fp16) and g.dtype == torch.float16:
                 raise ValueError("Attempting to unscale FP16 gradients.")
             if g.is_sparse:
-                if g.dtype is torch.float16:
+                if g.dtype is torch.float16 or (for_norm and not g.is_coalesced()):
                     p.grad = g = g.coalesce()
                 g = g._values()
             out.append(g)
@@ -142,16 +147,22 @@ class GradScaler(torch.amp.GradScaler):
         """One kernel call over the optimizer's gradients; returns ({device: found_inf}, total).
 
         write: unscale in place by inv_scale; otherwise read only (norm of grads * inv_scale).
-        Sparse gradients, or gradients on several devices, take a slower grouped path.
+        Sparse gradients take a slower path through their values. Like torch, the returned
+        found_inf is a fresh tensor (the argument is left alone), and an optimizer without
+        gradients records no inf check at all.
         """
         params, grads = self._params_with_grads(optimizer)
         flags = torch.zeros(len(params), dtype=torch.uint8)
         self._flag_sources[id(optimizer)] = (params, flags)
+        if not params:
+            self._last_grads = []
+            return {}, (torch.zeros((), dtype=torch.float32) if reduce else None)
+        found_inf = found_inf.clone()
         with torch.no_grad():
             try:
                 total = ops._scaler_pass(grads, reduce, inv_scale, found_inf, flags, write, not allow_fp16)
             except _C.LayoutError:
-                grads = self._dense_views(params, allow_fp16)
+                grads = self._dense_views(params, allow_fp16, bool(reduce))
                 total = ops._scaler_pass(grads, reduce, inv_scale, found_inf, flags, write, not allow_fp16)
         self._last_grads = grads
         return {found_inf.device: found_inf}, total
@@ -220,6 +231,7 @@ class GradScaler(torch.amp.GradScaler):
             params, _ = self._params_with_grads(optimizer)
             total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
             state["clipped"] = True
+            self._last_norm = total
             return total
 
         if state["stage"] is OptState.READY:

@@ -769,7 +769,12 @@ static int collect_group(mstate *st, PyObject *params, PyObject *plist, PyObject
     PyObject *p;
     while ((p = PyIter_Next(it)) != NULL) {
         if (!PyObject_TypeCheck(p, (PyTypeObject *)st->tensor_type)) {
-            PyErr_Format(PyExc_AssertionError, "expected param to be torch.Tensor, got %R", (PyObject *)Py_TYPE(p));
+            /* torch's words: "... got int" (the type's __name__). */
+            PyObject *tname = PyObject_GetAttrString((PyObject *)Py_TYPE(p), "__name__");
+            if (tname != NULL) {
+                PyErr_Format(PyExc_AssertionError, "expected param to be torch.Tensor, got %S", tname);
+                Py_DECREF(tname);
+            }
             Py_DECREF(p);
             Py_DECREF(it);
             return -1;
