@@ -78,8 +78,9 @@ def batches(data, context, batch, steps, seed):
 class Progress:
     """A one-line progress bar on stderr (no dependency)."""
 
-    def __init__(self, label, total, stream=sys.stderr, width=30):
-        self.label, self.total, self.stream, self.width = label, total, stream, width
+    def __init__(self, label, total, stream=None, width=30):
+        self.label, self.total, self.width = label, total, width
+        self.stream = stream if stream is not None else sys.stderr
         self.t0 = time.perf_counter()
 
     def update(self, done, loss):
@@ -105,6 +106,11 @@ def evaluate(model, data, context, device, n=4096):
     return torch.nn.functional.cross_entropy(logits, y).item(), (logits.argmax(1) == y).float().mean().item()
 
 
+# The float16 run starts high and grows often, so that backing off and growing are both
+# visible in a short run (torch's defaults, 2**16 and 2000 steps, would show a flat line).
+FP16_SCALER = {"init_scale": 2.0**24, "growth_interval": 50}
+
+
 def train_one(name, mode, dtype, train, val, args, device):
     torch.manual_seed(args.seed)
     model = CharMLP(args.context).to(device)
@@ -113,7 +119,8 @@ def train_one(name, mode, dtype, train, val, args, device):
     if mode == "torch":
         scaler = torch.amp.GradScaler(device.type)
     elif mode == "ampx":
-        scaler = ampx.GradScaler(device.type, named_parameters=model.named_parameters())
+        extra = FP16_SCALER if dtype == torch.float16 else {}
+        scaler = ampx.GradScaler(device.type, named_parameters=model.named_parameters(), **extra)
     else:
         scaler = None
     losses, scales, skipped = [], [], 0
@@ -257,6 +264,8 @@ def main(argv=None):
     results = [train_one(n, m, d, train, val, args, device) for n, m, d in runs]
     print()
     print(table(results))
+    print(f"(ampx fp16 starts its loss scale at {FP16_SCALER['init_scale']:.0f} and may grow it every "
+          f"{FP16_SCALER['growth_interval']} clean steps, to show dynamic loss scaling at work)")
     if not args.no_plot:
         try:
             plot(results, args.out)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One entry point that does all set-up on a fresh machine, then runs a job.
 #
-#   bash scripts/run.sh bench   the main job (for now: the CPU kernel benchmark)
+#   bash scripts/run.sh demo    the main job: python -m ampx demo (train a real model 4 ways)
 #   bash scripts/run.sh test    the test suite (what CI runs)
+#   bash scripts/run.sh bench   the kernel and scaler-step benchmarks
 #
 # It creates .venv (once), installs torch==2.13.0 (pinned: an unpinned torch
 # pulls a multi-gigabyte CUDA build) and the test tools, builds ampx in
@@ -13,8 +14,8 @@ cd "$(dirname "$0")/.."
 job="${1:-}"
 shift || true
 case "$job" in
-  bench|test) ;;
-  *) echo "usage: bash scripts/run.sh {bench|test} [args...]" >&2; exit 2 ;;
+  demo|bench|test) ;;
+  *) echo "usage: bash scripts/run.sh {demo|test|bench} [args...]" >&2; exit 2 ;;
 esac
 
 PY="${PYTHON:-python3}"
@@ -22,15 +23,17 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 V=.venv/bin
-if ! "$V/python" -c "import torch, pytest, hypothesis, numpy" 2>/dev/null; then
+if ! "$V/python" -c "import torch, pytest, hypothesis, numpy, matplotlib" 2>/dev/null; then
   "$V/python" -m pip install -q --upgrade pip
   "$V/python" -m pip install -q "torch==2.13.0"
-  "$V/python" -m pip install -q "pytest>=7" "hypothesis>=6" numpy "setuptools>=77" wheel
+  "$V/python" -m pip install -q "pytest>=7" "hypothesis>=6" numpy matplotlib "setuptools>=77" wheel
 fi
 # Rebuild every time: cheap, and never a stale extension.
 "$V/python" -m pip install -q --no-build-isolation --no-deps -e . >/dev/null
 
 case "$job" in
-  bench) exec "$V/python" benchmarks/bench_kernels.py "$@" ;;
+  demo)  exec "$V/python" -m ampx demo "$@" ;;
   test)  exec "$V/python" -m pytest -q tests "$@" ;;
+  bench) "$V/python" benchmarks/bench_kernels.py "$@"
+         exec "$V/python" benchmarks/bench_step.py ;;
 esac
