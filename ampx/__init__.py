@@ -16,7 +16,6 @@ _C._init(
     _torch.float64,
     _torch.uint8,
     _torch.int32,
-    _torch._debug_has_internal_overlap,
     _torch.strided,
 )
 

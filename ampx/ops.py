@@ -106,11 +106,12 @@ def unscale_(tensors, inv_scale, found_inf, *, flags=None):
     Raises:
         TypeError: a non-tensor, or a tensor of a non-floating or complex dtype.
         ValueError: a tensor on an unsupported device, an output of the wrong
-            size or dtype, an in-place write into an internally overlapping tensor.
+            size or dtype, an in-place write into a tensor whose elements may
+            share memory (an expanded or overlapping strided view).
     """
     tensors = _as_list(tensors, "tensors")
     _C.scale_reduce("ampx.ops.unscale_", tensors, _SCALE | _WRITE | _CHECK, inv_scale, found_inf, flags,
-                    None, None, _threads())
+                    None, None, _threads(), False, "inv_scale")
 
 
 def check_finite(tensors, found_inf, *, flags=None):
@@ -159,13 +160,15 @@ def unscale_norm_(tensors, inv_scale, found_inf, *, ord=2.0, flags=None, per_ten
 
     Returns what ``norm(tensors, ord)`` would return after ``unscale_``: the
     norm of the values as stored (rounded to float16/bfloat16 for those).
+    When tensors alias one another, each tensor's norm is taken right after
+    that tensor is unscaled (the op applied tensor by tensor, in list order).
     Arguments and errors as for ``unscale_`` and ``norm``.
     """
     tensors = _as_list(tensors, "tensors")
     r = _reduce_code("ampx.ops.unscale_norm_", ord)
     total, per = _outputs(tensors, per_tensor)
     _C.scale_reduce("ampx.ops.unscale_norm_", tensors, _SCALE | _WRITE | _CHECK | (r << _SHIFT), inv_scale,
-                    found_inf, flags, per, total, _threads())
+                    found_inf, flags, per, total, _threads(), False, "inv_scale")
     return (total, per) if per_tensor else total
 
 

@@ -32,7 +32,7 @@
 #define AMPX_MODE_UNSCALE_NORM(r) (AMPX_MODE_UNSCALE | ((r) << AMPX_M_REDUCE_SHIFT))
 
 /* What one chunk contributes: its reduction (in double) and its flags. For
- * MAXABS a chunk holding a NaN reports NaN. */
+ * MAXABS a chunk whose reduced values (the products) hold a NaN reports NaN. */
 typedef struct {
     double acc;
     unsigned flags;

@@ -77,13 +77,15 @@ AMPX_INLINE float sround_dt(int dt, float x)
     return x;
 }
 
-/* Folds a chunk's reduction and flags into its partial. */
-AMPX_INLINE void finish_partial(int reduce, double sum, float maxabs, unsigned flags,
-                                ampx_partial *out)
+/* Folds a chunk's reduction and flags into its partial. `reduced_nan` says
+ * whether a value that entered the reduction was NaN: a product can be NaN
+ * (inf * 0) where no input was, and max() alone would drop it. */
+AMPX_INLINE void finish_partial(int reduce, double sum, float maxabs, unsigned reduced_nan,
+                                unsigned flags, ampx_partial *out)
 {
     out->flags = flags;
     if (reduce == AMPX_REDUCE_MAXABS)
-        out->acc = (flags & AMPX_FLAG_NAN) ? (double)NAN : (double)maxabs;
+        out->acc = reduced_nan ? (double)NAN : (double)maxabs;
     else
         out->acc = sum;
 }
@@ -100,7 +102,7 @@ AMPX_INLINE void scale_body(int dt, int mode, void *ptr, int64_t n, double facto
     const vf vs = vset1(s);
     vacc acc;
     vacc_init(&acc);
-    unsigned vn = 0, vi = 0, flags = 0;
+    unsigned vn = 0, vi = 0, rn = 0, flags = 0;
     int64_t i = 0;
     for (; i + VW <= n; i += VW) {
         vf x = vload_dt(dt, p, i);
@@ -115,12 +117,14 @@ AMPX_INLINE void scale_body(int dt, int mode, void *ptr, int64_t n, double facto
         if (rd) {
             if (sc)
                 x = vround_dt(dt, x);
-            if (rd == AMPX_REDUCE_SUMSQ)
+            if (rd == AMPX_REDUCE_SUMSQ) {
                 vacc_sq(&acc, x);
-            else if (rd == AMPX_REDUCE_SUMABS)
+            } else if (rd == AMPX_REDUCE_SUMABS) {
                 vacc_abs(&acc, x);
-            else
+            } else {
                 vacc_max(&acc, x);
+                rn |= vnan(x);
+            }
         }
     }
     double sum = 0.0;
@@ -137,8 +141,11 @@ AMPX_INLINE void scale_body(int dt, int mode, void *ptr, int64_t n, double facto
             sum += (double)x * (double)x;
         else if (rd == AMPX_REDUCE_SUMABS)
             sum += fabs((double)x);
-        else if (rd == AMPX_REDUCE_MAXABS && fabsf(x) > mx)
-            mx = fabsf(x);
+        else if (rd == AMPX_REDUCE_MAXABS) {
+            rn |= x != x;
+            if (fabsf(x) > mx)
+                mx = fabsf(x);
+        }
     }
     if (vn)
         flags |= AMPX_FLAG_NAN;
@@ -151,7 +158,7 @@ AMPX_INLINE void scale_body(int dt, int mode, void *ptr, int64_t n, double facto
     } else if (rd) {
         sum = vacc_sum(&acc) + sum;
     }
-    finish_partial(rd, sum, mx, flags, out);
+    finish_partial(rd, sum, mx, rn, flags, out);
 }
 
 /* ---- the same over float64 (scalar; float64 gradients are rare) ----------- */
@@ -161,7 +168,7 @@ AMPX_INLINE void scale_body_f64(int mode, void *ptr, int64_t n, double factor, a
     const int sc = mode & AMPX_M_SCALE, wr = mode & AMPX_M_WRITE, ck = mode & AMPX_M_CHECK;
     const int rd = AMPX_MODE_REDUCE(mode);
     double *p = (double *)ptr;
-    unsigned flags = 0;
+    unsigned flags = 0, rn = 0;
     double sum = 0.0, mx = 0.0;
     /* The multiplier is the float32 value the factor rounds to, as in torch. */
     const double s = (double)(float)factor;
@@ -177,12 +184,15 @@ AMPX_INLINE void scale_body_f64(int mode, void *ptr, int64_t n, double factor, a
             sum += x * x;
         else if (rd == AMPX_REDUCE_SUMABS)
             sum += fabs(x);
-        else if (rd == AMPX_REDUCE_MAXABS && fabs(x) > mx)
-            mx = fabs(x);
+        else if (rd == AMPX_REDUCE_MAXABS) {
+            rn |= x != x;
+            if (fabs(x) > mx)
+                mx = fabs(x);
+        }
     }
     out->flags = flags;
     if (rd == AMPX_REDUCE_MAXABS)
-        out->acc = (flags & AMPX_FLAG_NAN) ? (double)NAN : mx;
+        out->acc = rn ? (double)NAN : mx;
     else
         out->acc = sum;
 }

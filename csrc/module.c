@@ -33,11 +33,10 @@ typedef struct {
     PyObject *tensor_type; /* torch.Tensor */
     PyObject *dtypes[AMPX_NUM_DTYPES];
     PyObject *dtype_u8, *dtype_i32;
-    PyObject *internal_overlap; /* torch._debug_has_internal_overlap */
     PyObject *strided;          /* torch.strided */
     PyObject *layout_error;     /* ampx._C.LayoutError, a ValueError */
     PyObject *s_dtype, *s_is_cpu, *s_is_cuda, *s_device, *s_layout, *s_numel, *s_is_contiguous,
-        *s_data_ptr, *s_contiguous, *s_copy_, *s_grad, *s_params;
+        *s_data_ptr, *s_contiguous, *s_copy_, *s_grad, *s_params, *s_size, *s_stride;
 } mstate;
 
 /* Py_NewRef and Py_XSETREF are not in the 3.9 limited API. */
@@ -283,6 +282,72 @@ static int opt_aux(mstate *st, const char *op, const char *name, PyObject *o, Py
     return aux_ptr(st, op, name, o, dtype, numel, ptr);
 }
 
+/* The memory a strided tensor's elements span, [lo, hi), and whether two of
+ * its elements may share an address. torch strides are never negative, so
+ * element 0 is the lowest address. The overlap test is a sufficient one:
+ * with the dimensions of size > 1 ordered by stride, each stride must exceed
+ * the span of all smaller ones; anything else (a zero stride, an interleaving
+ * as_strided view) counts as possible overlap. Only the slow path (a
+ * non-contiguous tensor) pays for it. Returns 0, or -1 with an exception. */
+#define MAX_DIMS 64
+static int strided_extent(mstate *st, PyObject *t, int64_t es, uintptr_t *lo, uintptr_t *hi, int *overlap,
+                          uint64_t *layout)
+{
+    char *ptr = NULL;
+    if (get_data_ptr(st, t, &ptr) < 0)
+        return -1;
+    PyObject *size = call0(t, st->s_size), *stride = size == NULL ? NULL : call0(t, st->s_stride);
+    int rc = -1;
+    int64_t sz[MAX_DIMS], sd[MAX_DIMS];
+    if (stride == NULL)
+        goto done;
+    Py_ssize_t nd = PyTuple_Size(size);
+    if (nd < 0 || PyTuple_Size(stride) != nd)
+        goto done;
+    if (nd > MAX_DIMS) {
+        PyErr_Format(PyExc_ValueError, "tensors with more than %d dimensions are not supported", MAX_DIMS);
+        goto done;
+    }
+    int m = 0;
+    int64_t maxoff = 0;
+    uint64_t h = 1469598103934665603ull; /* FNV-1a over (size, stride) pairs: a layout fingerprint */
+    for (Py_ssize_t k = 0; k < nd; k++) {
+        long long a = PyLong_AsLongLong(PyTuple_GetItem(size, k));
+        long long b = PyLong_AsLongLong(PyTuple_GetItem(stride, k));
+        if ((a == -1 || b == -1) && PyErr_Occurred())
+            goto done;
+        h = (h ^ (uint64_t)a) * 1099511628211ull;
+        h = (h ^ (uint64_t)b) * 1099511628211ull;
+        if (a <= 1)
+            continue;
+        maxoff += (int64_t)(a - 1) * (int64_t)b;
+        /* insertion sort by stride */
+        int j = m++;
+        while (j > 0 && sd[j - 1] > b) {
+            sz[j] = sz[j - 1];
+            sd[j] = sd[j - 1];
+            j--;
+        }
+        sz[j] = a;
+        sd[j] = b;
+    }
+    int64_t span = 0;
+    *overlap = 0;
+    for (int k = 0; k < m; k++) {
+        if (sd[k] <= span)
+            *overlap = 1;
+        span += (sz[k] - 1) * sd[k];
+    }
+    *lo = (uintptr_t)ptr;
+    *hi = *lo + (uintptr_t)((maxoff + 1) * es);
+    *layout = h;
+    rc = 0;
+done:
+    Py_XDECREF(size);
+    Py_XDECREF(stride);
+    return rc;
+}
+
 /* ---- gathering a list of tensors ------------------------------------------ */
 
 typedef struct {
@@ -291,6 +356,8 @@ typedef struct {
     ampx_tensor *ts;       /* n descriptors */
     unsigned char *nc;     /* n: non-contiguous (handled through a contiguous copy) */
     PyObject **tmp;        /* n: owned contiguous copies, or NULL */
+    uintptr_t *lo, *hi;    /* n: the memory each tensor's elements span (its own, not a copy's) */
+    uint64_t *layout;      /* n: fingerprint of a non-contiguous tensor's sizes and strides (else 0) */
     int any_nc;
     int64_t total;         /* elements in all */
 } tlist;
@@ -308,6 +375,9 @@ static void tlist_free(tlist *L)
     free(L->ts);
     free(L->nc);
     free(L->tmp);
+    free(L->lo);
+    free(L->hi);
+    free(L->layout);
     memset(L, 0, sizeof *L);
 }
 
@@ -336,7 +406,11 @@ static int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *s
     L->ts = (ampx_tensor *)calloc(m, sizeof *L->ts);
     L->nc = (unsigned char *)calloc(m, 1);
     L->tmp = (PyObject **)calloc(m, sizeof *L->tmp);
-    if (L->ts == NULL || L->nc == NULL || L->tmp == NULL) {
+    L->lo = (uintptr_t *)calloc(m, sizeof *L->lo);
+    L->hi = (uintptr_t *)calloc(m, sizeof *L->hi);
+    L->layout = (uint64_t *)calloc(m, sizeof *L->layout);
+    if (L->ts == NULL || L->nc == NULL || L->tmp == NULL || L->lo == NULL || L->hi == NULL ||
+        L->layout == NULL) {
         tlist_free(L);
         PyErr_NoMemory();
         return -1;
@@ -363,26 +437,23 @@ static int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *s
         if (contig) {
             if (get_data_ptr(st, t, &d->ptr) < 0)
                 goto error;
+            L->lo[i] = (uintptr_t)d->ptr;
+            L->hi[i] = L->lo[i] + (uintptr_t)(d->numel * elem_size[d->dtype]);
             continue;
         }
         L->nc[i] = 1;
         L->any_nc = 1;
-        if (write) {
-            PyObject *r = PyObject_CallFunctionObjArgs(st->internal_overlap, t, NULL);
-            if (r == NULL)
-                goto error;
-            long v = PyLong_AsLong(r);
-            Py_DECREF(r);
-            if (v == -1 && PyErr_Occurred())
-                goto error;
-            if (v == 1) {
-                PyErr_Format(PyExc_ValueError,
-                             "%s: %s[%zd] has internal overlap (several of its elements share memory, "
-                             "as in an expanded tensor), so it cannot be written in place",
-                             op, arg, i);
-                goto error;
-            }
-        } else {
+        int overlap = 0;
+        if (strided_extent(st, t, elem_size[d->dtype], &L->lo[i], &L->hi[i], &overlap, &L->layout[i]) < 0)
+            goto error;
+        if (write && overlap) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: %s[%zd] may have internal overlap (several of its elements can share "
+                         "memory, as in an expanded view), so it cannot be written in place",
+                         op, arg, i);
+            goto error;
+        }
+        if (!write) {
             if ((L->tmp[i] = call0(t, st->s_contiguous)) == NULL)
                 goto error;
             if (get_data_ptr(st, L->tmp[i], &d->ptr) < 0)
@@ -439,19 +510,17 @@ static int find_overlap(span_t *s, Py_ssize_t m, span_t *x, span_t *y)
     return 0;
 }
 
-/* Spans of the contiguous, non-empty tensors of L (written or not). */
-static Py_ssize_t add_spans(const tlist *L, int written, int use_src, span_t *out)
+/* Spans of the contiguous, non-empty tensors of L, all marked written. */
+static Py_ssize_t add_spans(const tlist *L, span_t *out)
 {
     Py_ssize_t m = 0;
     for (Py_ssize_t i = 0; i < L->n; i++) {
-        const ampx_tensor *d = &L->ts[i];
-        if (d->numel == 0 || L->nc[i])
+        if (L->ts[i].numel == 0 || L->nc[i])
             continue;
-        uintptr_t lo = (uintptr_t)(use_src ? d->src : d->ptr);
-        out[m].lo = lo;
-        out[m].hi = lo + (uintptr_t)(d->numel * elem_size[use_src ? d->src_dtype : d->dtype]);
+        out[m].lo = L->lo[i];
+        out[m].hi = L->hi[i];
         out[m].idx = i;
-        out[m].written = written;
+        out[m].written = 1;
         m++;
     }
     return m;
@@ -498,7 +567,8 @@ static void write_outputs(const ampx_partial *parts, Py_ssize_t n, int reduce, f
         *total = (float)finish_reduce(reduce, all.acc);
 }
 
-/* scale_reduce(op, tensors, mode, factor, found_inf, flags, per_tensor, out, nthreads, refuse_fp16)
+/* scale_reduce(op, tensors, mode, factor, found_inf, flags, per_tensor, out, nthreads
+ *              [, refuse_fp16, factor_name])
  *
  * The one entry point of unscale_, norm, unscale_norm_ and mul_: runs the
  * scale kernel in `mode` over the tensors. */
@@ -508,8 +578,9 @@ static PyObject *py_scale_reduce(PyObject *module, PyObject *args)
     const char *op;
     PyObject *seq, *factor_o, *found_o, *flags_o, *per_o, *out_o;
     int mode, nthreads, refuse_fp16 = 0;
-    if (!PyArg_ParseTuple(args, "sOiOOOOOi|p:scale_reduce", &op, &seq, &mode, &factor_o, &found_o, &flags_o,
-                          &per_o, &out_o, &nthreads, &refuse_fp16))
+    const char *factor_name = "factor";
+    if (!PyArg_ParseTuple(args, "sOiOOOOOi|ps:scale_reduce", &op, &seq, &mode, &factor_o, &found_o, &flags_o,
+                          &per_o, &out_o, &nthreads, &refuse_fp16, &factor_name))
         return NULL;
     if (require_init(st) < 0)
         return NULL;
@@ -527,7 +598,7 @@ static PyObject *py_scale_reduce(PyObject *module, PyObject *args)
     span_t *spans = NULL;
     double factor = 1.0;
     void *found = NULL, *flags = NULL, *per = NULL, *out = NULL;
-    if (parse_factor(st, op, "factor", factor_o, &factor) < 0 ||
+    if (parse_factor(st, op, factor_name, factor_o, &factor) < 0 ||
         opt_aux(st, op, "found_inf", found_o, st->dtypes[AMPX_F32], 1, &found) < 0 ||
         opt_aux(st, op, "flags", flags_o, st->dtype_u8, L.n, &flags) < 0 ||
         opt_aux(st, op, "per_tensor", per_o, st->dtypes[AMPX_F32], L.n, &per) < 0 ||
@@ -551,7 +622,7 @@ static PyObject *py_scale_reduce(PyObject *module, PyObject *args)
             goto done;
         }
         span_t x, y;
-        sequential = find_overlap(spans, add_spans(&L, 1, 0, spans), &x, &y);
+        sequential = find_overlap(spans, add_spans(&L, spans), &x, &y);
     }
     if (!sequential) {
         if (run_job(&job, L.ts, L.n, L.total, nthreads, parts) < 0)
@@ -662,26 +733,28 @@ static PyObject *py_cast(PyObject *module, PyObject *args)
     }
     Py_ssize_t m = 0;
     for (Py_ssize_t i = 0; i < S.n; i++) {
-        const ampx_tensor *d = &S.ts[i];
-        if (d->numel == 0)
+        if (S.ts[i].numel == 0)
             continue;
-        int exact_alias = d->ptr == d->src && d->dtype == d->src_dtype;
-        spans[m].lo = (uintptr_t)d->ptr;
-        spans[m].hi = spans[m].lo + (uintptr_t)(d->numel * elem_size[d->dtype]);
+        /* The spans are those of the caller's tensors, not of any copy. */
+        /* An exact alias: the same elements in the same order, same dtype. */
+        int exact_alias = S.lo[i] == D.lo[i] && S.hi[i] == D.hi[i] && S.nc[i] == D.nc[i] &&
+                          S.layout[i] == D.layout[i] && S.ts[i].src_dtype == S.ts[i].dtype;
+        spans[m].lo = D.lo[i];
+        spans[m].hi = D.hi[i];
         spans[m].idx = i;
         spans[m].written = 1;
         m++;
         if (exact_alias)
             continue;
-        spans[m].lo = (uintptr_t)d->src;
-        spans[m].hi = spans[m].lo + (uintptr_t)(d->numel * elem_size[d->src_dtype]);
+        spans[m].lo = S.lo[i];
+        spans[m].hi = S.hi[i];
         spans[m].idx = i;
         spans[m].written = 0;
         m++;
     }
     span_t x, y;
     if (find_overlap(spans, m, &x, &y)) {
-        PyErr_Format(PyExc_ValueError, "%s: %s[%zd] and %s[%zd] share memory; a cast needs distinct "
+        PyErr_Format(PyExc_ValueError, "%s: %s[%zd] and %s[%zd] (may) share memory; a cast needs distinct "
                      "destinations (or a destination that is exactly its own source)",
                      op, x.written ? "dst" : "src", x.idx, y.written ? "dst" : "src", y.idx);
         goto done;
@@ -736,14 +809,13 @@ static PyObject *py_update_scale(PyObject *module, PyObject *args)
     return PyLong_FromLong(ev);
 }
 
-/* _init(torch.Tensor, float32, float16, bfloat16, float64, uint8, int32,
- *       torch._debug_has_internal_overlap, torch.strided): called once by ampx/__init__.py. */
+/* _init(torch.Tensor, float32, float16, bfloat16, float64, uint8, int32, torch.strided):
+ * called once by ampx/__init__.py. */
 static PyObject *py_init(PyObject *module, PyObject *args)
 {
     mstate *st = get_state(module);
-    PyObject *o[9];
-    if (!PyArg_ParseTuple(args, "OOOOOOOOO:_init", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7],
-                          &o[8]))
+    PyObject *o[8];
+    if (!PyArg_ParseTuple(args, "OOOOOOOO:_init", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7]))
         return NULL;
     if (!PyType_Check(o[0])) {
         PyErr_SetString(PyExc_TypeError, "_init: the first argument must be torch.Tensor");
@@ -754,8 +826,7 @@ static PyObject *py_init(PyObject *module, PyObject *args)
         set_ref(&st->dtypes[k], o[1 + k]);
     set_ref(&st->dtype_u8, o[5]);
     set_ref(&st->dtype_i32, o[6]);
-    set_ref(&st->internal_overlap, o[7]);
-    set_ref(&st->strided, o[8]);
+    set_ref(&st->strided, o[7]);
     Py_RETURN_NONE;
 }
 
@@ -929,7 +1000,8 @@ static int exec_module(PyObject *m)
         intern(&st->s_layout, "layout") < 0 || intern(&st->s_numel, "numel") < 0 ||
         intern(&st->s_is_contiguous, "is_contiguous") < 0 || intern(&st->s_data_ptr, "data_ptr") < 0 ||
         intern(&st->s_contiguous, "contiguous") < 0 || intern(&st->s_copy_, "copy_") < 0 ||
-        intern(&st->s_grad, "grad") < 0 || intern(&st->s_params, "params") < 0)
+        intern(&st->s_grad, "grad") < 0 || intern(&st->s_params, "params") < 0 ||
+        intern(&st->s_size, "size") < 0 || intern(&st->s_stride, "stride") < 0)
         return -1;
     st->layout_error = PyErr_NewExceptionWithDoc(
         "ampx._C.LayoutError", "A tensor without strides (sparse, ...) was given to a dense kernel.",
@@ -961,8 +1033,8 @@ static int exec_module(PyObject *m)
 
 #define STATE_OBJECTS(X)                                                                                   \
     X(tensor_type) X(dtypes[0]) X(dtypes[1]) X(dtypes[2]) X(dtypes[3]) X(dtype_u8) X(dtype_i32)            \
-        X(internal_overlap) X(strided) X(layout_error) X(s_dtype) X(s_is_cpu) X(s_is_cuda) X(s_device) X(s_layout) X(s_numel)         \
-            X(s_is_contiguous) X(s_data_ptr) X(s_contiguous) X(s_copy_) X(s_grad) X(s_params)
+        X(strided) X(layout_error) X(s_dtype) X(s_is_cpu) X(s_is_cuda) X(s_device) X(s_layout) X(s_numel)         \
+            X(s_is_contiguous) X(s_data_ptr) X(s_contiguous) X(s_copy_) X(s_grad) X(s_params) X(s_size) X(s_stride)
 
 static int m_traverse(PyObject *m, visitproc visit, void *arg)
 {
