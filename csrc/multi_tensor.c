@@ -98,6 +98,16 @@ int ampx_run(const ampx_job *job, const ampx_tensor *ts, int64_t n, int nthreads
     for (int d = 0; d < AMPX_NUM_DTYPES; d++)
         p.scale[d] = job->cast ? NULL : k->scale[d][job->mode];
 
+    /* Tasks: consecutive chunks of about total / (nthreads * AMPX_TASKS_PER_THREAD)
+     * elements, at least AMPX_CHUNK. Long runs of memory per task keep each
+     * thread streaming through its own region; several tasks per thread let
+     * the dynamic hand-out even out a slow or late thread. */
+    int64_t task_min = AMPX_CHUNK;
+    if (nthreads > 1) {
+        int64_t even = total / ((int64_t)nthreads * AMPX_TASKS_PER_THREAD);
+        if (even > task_min)
+            task_min = even;
+    }
     int64_t c = 0, ntasks = 0, in_task = 0;
     for (int64_t i = 0; i < n; i++) {
         for (int64_t s = 0; s < ts[i].numel; s += AMPX_CHUNK) {
@@ -109,7 +119,7 @@ int ampx_run(const ampx_job *job, const ampx_tensor *ts, int64_t n, int nthreads
             chunks[c].len = len;
             c++;
             in_task += len;
-            if (in_task >= AMPX_CHUNK)
+            if (in_task >= task_min)
                 in_task = 0;
         }
     }

@@ -3,8 +3,9 @@
  *
  * A list of tensors is cut into chunks of AMPX_CHUNK elements (a tensor's
  * last chunk may be shorter; chunks never span tensors). Consecutive chunks
- * are grouped into tasks of at least AMPX_CHUNK elements so that thousands
- * of small tensors cost a few hundred task hand-outs, not thousands. Each
+ * are grouped into tasks of at least AMPX_CHUNK elements (and about
+ * AMPX_TASKS_PER_THREAD tasks per thread) so that thousands of small tensors
+ * cost a few task hand-outs, and each thread streams long runs. Each
  * chunk's result lands in its own slot and the slots are combined in chunk
  * order, so reductions give the same bits whatever the thread count.
  */
@@ -18,6 +19,8 @@
 /* Elements per chunk: a power of two dividing 2^32 (stochastic rounding
  * keys rely on chunks not straddling a multiple of 2^32). */
 #define AMPX_CHUNK ((int64_t)1 << 16)
+/* Tasks handed out per thread of a job (see ampx_run). */
+#define AMPX_TASKS_PER_THREAD 4
 /* Below this many elements in all, a job runs on the calling thread. */
 #define AMPX_PARALLEL_MIN_DEFAULT ((int64_t)1 << 18)
 
