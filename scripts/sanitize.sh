@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Builds ampx's C code with AddressSanitizer and UndefinedBehaviorSanitizer into a
+# scratch copy and runs the kernel and error-path tests against it.
+# Needs .venv (made by scripts/run.sh) and gcc's libasan/libubsan.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+V="$PWD/.venv/bin"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+git ls-files -z | xargs -0 -I{} cp --parents {} "$work"
+cd "$work"
+AMPX_DEBUG=1 AMPX_SANITIZE=address,undefined "$V/python" setup.py -q build_ext --inplace >/dev/null
+asan=$(gcc -print-file-name=libasan.so)
+ubsan=$(gcc -print-file-name=libubsan.so)
+LD_PRELOAD="$asan:$ubsan" ASAN_OPTIONS=detect_leaks=0 \
+  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONPATH="$work" \
+  "$V/python" -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_errors.py \
+  tests/test_numerics.py tests/test_refcounts.py
