@@ -27,7 +27,8 @@ if _simd:
         raise ImportError(f"AMPX_SIMD={_simd!r}: {e}") from None
 
 from . import ops  # noqa: E402
+from .policy import Policy  # noqa: E402
 from .scaler import GradScaler, OverflowReport  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["ops", "GradScaler", "OverflowReport", "__version__"]
+__all__ = ["ops", "GradScaler", "OverflowReport", "Policy", "__version__"]
