@@ -203,7 +203,8 @@ class Policy:
         DeepSpeed's own loss scaler does the scaling, so every setting is mapped onto its keys:
         init_scale -> ``initial_scale_power`` (must be a power of two), growth_interval ->
         ``loss_scale_window``, ``hysteresis``, ``consecutive_hysteresis``, min_scale ->
-        ``min_loss_scale`` (DeepSpeed's floor of 1 when unset), static scaling -> ``loss_scale``.
+        ``min_loss_scale`` (an integer in DeepSpeed; its floor of 1 when unset), static scaling ->
+        ``loss_scale``.
         The dynamic keys are always named: with none named DeepSpeed silently starts at 2**32
         without hysteresis.
 
@@ -213,7 +214,8 @@ class Policy:
 
         Raises:
             ValueError: what DeepSpeed cannot express (growth/backoff other than 2/0.5, a max
-                scale, an init_scale that is not a power of two), or a conflict with ``base``.
+                scale, an init_scale that is not a power of two, a fractional min_scale), or a
+                conflict with ``base``.
         """
         cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (base or {}).items()}
         if self.dtype == torch.float32:
@@ -245,6 +247,10 @@ class Policy:
         if self.loss_scaling == "none":
             raise ValueError("DeepSpeed's fp16 mode always scales the loss; use loss_scaling='static' "
                              "with init_scale=1.0 for no scaling")
+        min_scale = 1 if kw["min_scale"] is None else kw["min_scale"]
+        if float(min_scale) != int(min_scale):
+            raise ValueError(f"DeepSpeed's min_loss_scale is an integer; min_scale={min_scale} cannot be "
+                             "expressed")
         section = {
             "enabled": True,
             "loss_scale": 0 if self.loss_scaling == "dynamic" else float(kw["init_scale"]),
@@ -252,7 +258,7 @@ class Policy:
             "loss_scale_window": int(kw["growth_interval"]),
             "hysteresis": int(kw["hysteresis"]),
             "consecutive_hysteresis": bool(kw["consecutive_hysteresis"]),
-            "min_loss_scale": 1 if kw["min_scale"] is None else kw["min_scale"],
+            "min_loss_scale": int(min_scale),
         }
         return self._merge(cfg, "fp16", section)
 

@@ -23,10 +23,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 V=.venv/bin
-if ! "$V/python" -c "import torch, pytest, hypothesis, numpy, matplotlib" 2>/dev/null; then
+if ! "$V/python" -c "import torch, pytest, hypothesis, numpy, matplotlib, deepspeed" 2>/dev/null; then
   "$V/python" -m pip install -q --upgrade pip
   "$V/python" -m pip install -q "torch==2.13.0"
-  "$V/python" -m pip install -q "pytest>=7" "hypothesis>=6" numpy matplotlib "setuptools>=77" wheel
+  # DeepSpeed is only for the tests of Policy.deepspeed_config; DS_BUILD_OPS=0 builds none of its ops.
+  DS_BUILD_OPS=0 "$V/python" -m pip install -q "pytest>=7" "hypothesis>=6" numpy matplotlib deepspeed \
+    "setuptools>=77" wheel "torch==2.13.0"
 fi
 # Rebuild every time: cheap, and never a stale extension.
 "$V/python" -m pip install -q --no-build-isolation --no-deps -e . >/dev/null

@@ -116,12 +116,12 @@ def test_fsdp_configs(cpu_bf16):
 
 def test_deepspeed_fp16_mapping():
     p = ampx.Policy("fp16", device="cpu", init_scale=2.0**12, growth_interval=500, hysteresis=2,
-                    consecutive_hysteresis=True, min_scale=0.25)
+                    consecutive_hysteresis=True, min_scale=4.0)
     base = {"train_batch_size": 8, "fp16": {"auto_cast": False}}
     cfg = p.deepspeed_config(base)
     assert cfg["train_batch_size"] == 8
     assert cfg["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
-                           "hysteresis": 2, "consecutive_hysteresis": True, "min_loss_scale": 0.25,
+                           "hysteresis": 2, "consecutive_hysteresis": True, "min_loss_scale": 4,
                            "auto_cast": False}
     assert base == {"train_batch_size": 8, "fp16": {"auto_cast": False}}  # not modified
     static = ampx.Policy("fp16", loss_scaling="static", device="cpu", init_scale=256.0).deepspeed_config()
@@ -144,6 +144,7 @@ def test_deepspeed_bf16_and_fp32(cpu_bf16):
     ({"backoff_factor": 0.25}, None, "backoff_factor"),
     ({"max_scale": 2.0**20}, None, "max_scale"),
     ({"init_scale": 1000.0}, None, "power of two"),
+    ({"min_scale": 0.5}, None, "integer"),
     ({"loss_scaling": "none"}, None, "always scales"),
     ({}, {"fp16": {"hysteresis": 5}}, "fp16.hysteresis"),
     ({}, {"bf16": {"enabled": True}}, "cannot enable both"),
