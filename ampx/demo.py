@@ -6,7 +6,7 @@ real data, nothing downloaded. The same model, data and seed are trained
 
   1. in float32 (the reference),
   2. with torch AMP: torch.autocast + torch.amp.GradScaler,
-  3. with ampx: autocast + ampx.GradScaler with clipping folded into the step,
+  3. with ampx: the dtype ampx.Policy.auto picks, ampx.GradScaler, clipping folded into the step,
   4. with ampx in float16, even where bfloat16 would be chosen, so loss scaling is visible,
 
 on the GPU when there is one, else on the CPU. It prints a progress bar per run, then a table
@@ -170,13 +170,6 @@ def train_one(name, mode, dtype, train, val, args, device):
             "dtype": "float32" if dtype is None else str(dtype).replace("torch.", "")}
 
 
-def auto_dtype(device):
-    """bfloat16 where the device runs it natively, else float16."""
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16
-
-
 def table(results):
     head = f"{'run':<14}{'dtype':<10}{'val loss':>9}{'val acc':>9}{'skipped':>9}{'loss scale range':>22}{'ms/step':>9}"
     lines = [head, "-" * len(head)]
@@ -256,9 +249,12 @@ def main(argv=None):
         return 2
     split = int(data.numel() * 0.9)
     train, val = data[:split], data[split:]
-    chosen = auto_dtype(device)
+    policy = ampx.Policy.auto(device)
+    # A CPU without native bf16 gets fp32 from the policy; the demo still shows a 16-bit run.
+    chosen = policy.dtype if policy.dtype != torch.float32 else torch.bfloat16
     print(f"ampx demo: {data.numel():,} characters of Python's standard library, {args.steps} steps per run, "
-          f"device {device}, ampx picks {str(chosen).replace('torch.', '')}")
+          f"device {device}")
+    print(f"ampx.Policy.auto: {policy.explain()}")
     runs = [("float32", "none", None), ("torch AMP", "torch", chosen), ("ampx", "ampx", chosen),
             ("ampx fp16", "ampx", torch.float16)]
     results = [train_one(n, m, d, train, val, args, device) for n, m, d in runs]
