@@ -175,7 +175,8 @@ def unscale_norm_(tensors, inv_scale, found_inf, *, ord=2.0, flags=None, per_ten
 def mul_(tensors, factor):
     """Multiplies every tensor in place by ``factor`` (float or 1-element float32 tensor).
 
-    Products are formed in float32 (float64 for float64 tensors) and rounded
+    Products are formed in float32 with the factor rounded to float32, or,
+    for float64 tensors, in float64 with the factor as given; then rounded
     to the tensor's dtype. Errors as for ``unscale_``.
     """
     tensors = _as_list(tensors, "tensors")

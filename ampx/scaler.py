@@ -125,7 +125,8 @@ class GradScaler(torch.amp.GradScaler):
 
     @staticmethod
     def _dense_views(params, allow_fp16, for_norm):
-        """The tensors the kernels see: each grad, or a sparse grad's values.
+        """The tensors the kernels see: each grad, a DTensor grad's local shard, or a sparse
+        grad's values.
 
         A sparse grad is coalesced first when it is float16 (torch's rule: duplicates summed
         in fp16 may overflow, so check the sum) and whenever a norm is wanted (the norm of
@@ -136,6 +137,8 @@ class GradScaler(torch.amp.GradScaler):
             g = p.grad
             if (not allow_fp16) and g.dtype == torch.float16:
                 raise ValueError("Attempting to unscale FP16 gradients.")
+            if hasattr(g, "to_local"):  # DTensor (FSDP2): work on this rank's shard in place
+                g = g.to_local()
             if g.is_sparse:
                 if g.dtype is torch.float16 or (for_norm and not g.is_coalesced()):
                     p.grad = g = g.coalesce()
@@ -478,7 +481,8 @@ class _LazySkip:
         self._found_inf = found_inf
 
     def __bool__(self):
-        return bool(self._found_inf.item())
+        f = self._found_inf
+        return bool(f.item()) if isinstance(f, torch.Tensor) else bool(f)
 
     def __repr__(self):
         return repr(bool(self))

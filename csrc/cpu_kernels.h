@@ -40,8 +40,9 @@ typedef struct {
 
 /* Scale and/or reduce n elements at ptr (dtype fixed by the table slot).
  * With AMPX_M_SCALE the products are formed in the tensor's compute type
- * (float32, or float64 for float64 tensors) and, for float16 / bfloat16,
- * rounded to the storage type before they are stored or reduced. */
+ * (float32 with the factor rounded to float32, or float64 with the factor
+ * as given for float64 tensors) and, for float16 / bfloat16, rounded to the
+ * storage type before they are stored or reduced. */
 typedef void (*ampx_scale_fn)(void *ptr, int64_t n, double factor, ampx_partial *out);
 
 /* Convert n elements from src to dst, multiplying by factor first; returns

@@ -170,8 +170,9 @@ AMPX_INLINE void scale_body_f64(int mode, void *ptr, int64_t n, double factor, a
     double *p = (double *)ptr;
     unsigned flags = 0, rn = 0;
     double sum = 0.0, mx = 0.0;
-    /* The multiplier is the float32 value the factor rounds to, as in torch. */
-    const double s = (double)(float)factor;
+    /* The factor as given: a float32 tensor's value is exact in double, and a
+     * Python number keeps its full precision, as torch's float64 ops do. */
+    const double s = factor;
     for (int64_t i = 0; i < n; i++) {
         double x = p[i];
         if (ck)
@@ -247,7 +248,7 @@ AMPX_INLINE unsigned cast_body_f64(int sdt, int ddt, int sr, const void *src, vo
         if (sdt == AMPX_F64) {
             x = ((const double *)s)[i];
             flags |= ampx_classify_f64(x);
-            x *= (double)f;
+            x *= factor;
         } else {
             float y = sload_dt(sdt, s, i);
             flags |= ampx_classify_f32(y);

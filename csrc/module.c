@@ -98,6 +98,9 @@ static int get_bool_attr(PyObject *obj, PyObject *name, int *out)
     return 0;
 }
 
+/* The data pointer of a tensor known to hold elements. A wrapper subclass
+ * without storage of its own (DTensor, jagged NestedTensor, ...) reports
+ * numel() > 0 but a NULL pointer: refused with LayoutError, never written. */
 static int get_data_ptr(mstate *st, PyObject *t, char **out)
 {
     PyObject *r = call0(t, st->s_data_ptr);
@@ -105,8 +108,14 @@ static int get_data_ptr(mstate *st, PyObject *t, char **out)
         return -1;
     void *p = PyLong_AsVoidPtr(r);
     Py_DECREF(r);
-    if (p == NULL && PyErr_Occurred())
+    if (p == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_Format(st->layout_error,
+                         "a %R has no storage of its own (a wrapper subclass such as DTensor); "
+                         "pass its local tensor (for a DTensor: .to_local())",
+                         (PyObject *)Py_TYPE(t));
         return -1;
+    }
     *out = (char *)p;
     return 0;
 }
@@ -245,7 +254,7 @@ static int aux_ptr(mstate *st, const char *op, const char *name, PyObject *o, Py
         return -1;
     }
     char *p = NULL;
-    if (get_data_ptr(st, o, &p) < 0)
+    if (numel > 0 && get_data_ptr(st, o, &p) < 0) /* an empty output has no storage to point at */
         return -1;
     *ptr = p;
     return 0;
@@ -352,7 +361,7 @@ done:
 
 typedef struct {
     Py_ssize_t n;
-    PyObject *seq;         /* borrowed list or tuple */
+    PyObject *seq;         /* owned tuple of the tensors: keeps them alive while the GIL is released */
     ampx_tensor *ts;       /* n descriptors */
     unsigned char *nc;     /* n: non-contiguous (handled through a contiguous copy) */
     PyObject **tmp;        /* n: owned contiguous copies, or NULL */
@@ -362,16 +371,15 @@ typedef struct {
     int64_t total;         /* elements in all */
 } tlist;
 
-static PyObject *seq_item(PyObject *seq, Py_ssize_t i)
-{
-    return PyList_Check(seq) ? PyList_GetItem(seq, i) : PyTuple_GetItem(seq, i);
-}
+/* Item i of a gathered list (a borrowed reference the tuple keeps alive). */
+static PyObject *seq_item(PyObject *seq, Py_ssize_t i) { return PyTuple_GetItem(seq, i); }
 
 static void tlist_free(tlist *L)
 {
     if (L->tmp != NULL)
         for (Py_ssize_t i = 0; i < L->n; i++)
             Py_XDECREF(L->tmp[i]);
+    Py_XDECREF(L->seq);
     free(L->ts);
     free(L->nc);
     free(L->tmp);
@@ -393,15 +401,24 @@ static int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *s
         PyErr_Format(PyExc_TypeError, "%s: %s must be a list or tuple of tensors", op, arg);
         return -1;
     }
-    Py_ssize_t n = PyList_Check(seq) ? PyList_Size(seq) : PyTuple_Size(seq);
-    if (n < 0)
+    /* Own the tensors for the whole call: the GIL is released while kernels
+     * write through their data pointers, and another thread (or Python code
+     * run by .contiguous()/.copy_()) could otherwise drop the last reference. */
+    PyObject *owned = PySequence_Tuple(seq);
+    if (owned == NULL)
         return -1;
+    Py_ssize_t n = PyTuple_Size(owned);
+    if (n < 0) {
+        Py_DECREF(owned);
+        return -1;
+    }
     if ((size_t)n > (size_t)UINT32_MAX) {
+        Py_DECREF(owned);
         PyErr_Format(PyExc_ValueError, "%s: %s holds more than 2^32 tensors", op, arg);
         return -1;
     }
     L->n = n;
-    L->seq = seq;
+    L->seq = owned;
     size_t m = n > 0 ? (size_t)n : 1u;
     L->ts = (ampx_tensor *)calloc(m, sizeof *L->ts);
     L->nc = (unsigned char *)calloc(m, 1);
@@ -416,7 +433,7 @@ static int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *s
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *t = seq_item(seq, i);
+        PyObject *t = seq_item(L->seq, i);
         if (t == NULL)
             goto error;
         ampx_tensor *d = &L->ts[i];
@@ -1004,7 +1021,8 @@ static int exec_module(PyObject *m)
         intern(&st->s_size, "size") < 0 || intern(&st->s_stride, "stride") < 0)
         return -1;
     st->layout_error = PyErr_NewExceptionWithDoc(
-        "ampx._C.LayoutError", "A tensor without strides (sparse, ...) was given to a dense kernel.",
+        "ampx._C.LayoutError",
+        "A tensor the kernels cannot read directly: sparse, or a wrapper without storage (DTensor).",
         PyExc_ValueError, NULL);
     if (st->layout_error == NULL)
         return -1;

@@ -216,11 +216,13 @@ def f32(v):
 
 def unscale_ref(x, inv):
     """What unscale_/mul_ must store: the float32 product rounded to x's dtype
-    (float64 tensors: x times the float32 value of inv, in float64)."""
-    inv = f32(inv)
+    (float64 tensors: x times inv in float64, inv as given: a Python float keeps
+    its double precision, a float32 tensor contributes its float32 value)."""
+    if isinstance(inv, torch.Tensor):
+        inv = float(inv)
     if x.dtype == torch.float64:
         return x * inv
-    return (x.float() * torch.tensor(inv, dtype=torch.float32)).to(x.dtype)
+    return (x.float() * torch.tensor(f32(inv), dtype=torch.float32)).to(x.dtype)
 
 
 def norm_ref64(tensors, ord):

@@ -77,10 +77,16 @@ def assert_list_unchanged(tensors, originals, msg=""):
 
 
 def cast_ref(src, dst_dtype, inv=None):
-    """Independent reference for cast_(rounding='nearest')."""
+    """Independent reference for cast_(rounding='nearest').
+
+    float64 sources are multiplied in float64 by inv as given (a float32 tensor
+    contributes its float32 value); other sources in float32 by float32(inv)."""
+    if isinstance(inv, torch.Tensor):
+        inv = float(inv)
+    exact = 1.0 if inv is None else inv
     inv = 1.0 if inv is None else f32(inv)
     if src.dtype == torch.float64:
-        y = src * inv  # float64 product
+        y = src * exact  # float64 product
         if dst_dtype in (torch.float64, torch.float32):
             return y.to(dst_dtype)  # a single rounding
         return round_f64_to(y, dst_dtype)  # torch's .to() would round twice
@@ -101,7 +107,7 @@ def test_unscale_every_size_matches_torch(simd, dtype, rng):
         found = torch.zeros(1)
         flags = torch.full((1,), 77, dtype=torch.uint8)
         ops.unscale_([x], torch.tensor([inv]), found, flags=flags)
-        assert_bits_equal(x, unscale_ref(orig, inv), f"size {n}")
+        assert_bits_equal(x, unscale_ref(orig, torch.tensor([inv])), f"size {n}")
         # torch's own kernel, the contract named in the docstring
         ref = orig.clone()
         ref_found = torch.zeros(1)
@@ -154,18 +160,20 @@ def test_unscale_subnormal_results(simd, dtype):
         assert_bits_equal(y, unscale_ref(x, inv), f"inv={inv}")
 
 
-def test_unscale_python_float_is_rounded_to_float32(simd):
+def test_python_float_factor_precision_follows_the_tensor_dtype(simd):
     x = torch.randn(100)
     a, b = x.clone(), x.clone()
-    ops.unscale_(a, 0.1, None)  # 0.1 is not a float32: used as float32(0.1)
+    ops.unscale_(a, 0.1, None)  # float32 tensors: 0.1 is used as float32(0.1)
     ops.unscale_(b, torch.tensor([0.1]), None)
     assert_exactly_equal(a, b)
     assert_exactly_equal(a, x * torch.tensor(f32(0.1)))
     d = torch.randn(100, dtype=torch.float64)
-    e = d.clone()
-    ops.unscale_(e, 0.1, None)
-    assert_exactly_equal(e, d * f32(0.1))
-    assert not torch.equal(e, d * 0.1)
+    e, g = d.clone(), d.clone()
+    ops.unscale_(e, 0.1, None)  # float64 tensors: a Python float keeps its precision, as in torch
+    assert_exactly_equal(e, d * 0.1)
+    ops.unscale_(g, torch.tensor([0.1]), None)  # a float32 tensor factor is its float32 value
+    assert_exactly_equal(g, d * f32(0.1))
+    assert not torch.equal(e, g)
 
 
 @pytest.mark.parametrize("start", [0.0, 1.0, 0.5])
@@ -447,7 +455,7 @@ def test_unscale_norm_equals_unscale_then_norm(simd, dtype, ord, rng):
         flags = torch.zeros(len(tensors), dtype=torch.uint8)
         total, per = ops.unscale_norm_(tensors, torch.tensor([0.37]), found, ord=ord, flags=flags, per_tensor=True)
         for i, (t, o) in enumerate(zip(tensors, origs)):
-            assert_bits_equal(t, unscale_ref(o, 0.37), f"tensor {i}")
+            assert_bits_equal(t, unscale_ref(o, torch.tensor([0.37])), f"tensor {i}")
         total_ref, per_ref = norm_ref64(tensors, ord)  # the norm of the values as stored
         assert_norm_close(total.item(), total_ref, msg=data)
         for g, r in zip(per.tolist(), per_ref):
@@ -457,7 +465,7 @@ def test_unscale_norm_equals_unscale_then_norm(simd, dtype, ord, rng):
         assert_bits_equal(total, t2)  # (NaN payloads are not part of the contract)
         assert_bits_equal(per, p2)
         # and the bits of the scaled read-only norm of the originals
-        t3, p3 = ops.norm(origs, ord, factor=0.37, per_tensor=True)
+        t3, p3 = ops.norm(origs, ord, factor=torch.tensor([0.37]), per_tensor=True)
         if data == "finite":
             assert_exactly_equal(total, t3)
             assert_exactly_equal(per, p3)
