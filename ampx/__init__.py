@@ -17,6 +17,9 @@ _C._init(
     _torch.uint8,
     _torch.int32,
     _torch.strided,
+    _torch._C.TensorBase.__dict__["dtype"],
+    _torch._C.TensorBase.__dict__["is_cpu"],
+    _torch._C.TensorBase.__dict__["nbytes"],
 )
 
 _simd = _os.environ.get("AMPX_SIMD")

@@ -34,9 +34,14 @@ typedef struct {
     PyObject *dtypes[AMPX_NUM_DTYPES];
     PyObject *dtype_u8, *dtype_i32;
     PyObject *strided;          /* torch.strided */
+    /* Hot per-tensor attributes, read through their getset descriptors when the
+     * running Python lets the limited API reach the getter (3.10+), else by
+     * name: the descriptor call skips the attribute lookup on every tensor. */
+    PyObject *descr[3];         /* TensorBase.dtype, .is_cpu, .nbytes */
+    descrgetfunc getter[3];
     PyObject *layout_error;     /* ampx._C.LayoutError, a ValueError */
     PyObject *s_dtype, *s_is_cpu, *s_is_cuda, *s_device, *s_layout, *s_numel, *s_is_contiguous,
-        *s_data_ptr, *s_contiguous, *s_copy_, *s_grad, *s_params, *s_size, *s_stride;
+        *s_data_ptr, *s_contiguous, *s_copy_, *s_grad, *s_params, *s_size, *s_stride, *s_nbytes;
 } mstate;
 
 /* Py_NewRef and Py_XSETREF are not in the 3.9 limited API. */
@@ -55,6 +60,17 @@ static void set_ref(PyObject **slot, PyObject *o)
 }
 
 static mstate *get_state(PyObject *module) { return (mstate *)PyModule_GetState(module); }
+
+enum { A_DTYPE = 0, A_IS_CPU = 1, A_NBYTES = 2 };
+
+/* Reads a hot attribute of tensor t (new reference, NULL on error). */
+static PyObject *hot_attr(mstate *st, int k, PyObject *t)
+{
+    if (st->getter[k] != NULL)
+        return st->getter[k](st->descr[k], t, (PyObject *)Py_TYPE(t));
+    PyObject *name = k == A_DTYPE ? st->s_dtype : k == A_IS_CPU ? st->s_is_cpu : st->s_nbytes;
+    return PyObject_GetAttr(t, name);
+}
 
 static const char *const dtype_names[AMPX_NUM_DTYPES] = {"float32", "float16", "bfloat16", "float64"};
 static const int64_t elem_size[AMPX_NUM_DTYPES] = {4, 2, 2, 8};
@@ -146,7 +162,7 @@ static int device_error(mstate *st, const char *op, const char *arg, Py_ssize_t 
 /* Returns the dtype code of t, or -1 (TypeError set) for an unsupported one. */
 static int dtype_code(mstate *st, const char *op, const char *arg, Py_ssize_t i, PyObject *t)
 {
-    PyObject *dt = PyObject_GetAttr(t, st->s_dtype);
+    PyObject *dt = hot_attr(st, A_DTYPE, t);
     if (dt == NULL)
         return -1;
     int code = -1;
@@ -176,24 +192,34 @@ static int layout_error(mstate *st, const char *op, const char *arg, Py_ssize_t 
     return bad ? -1 : 0;
 }
 
-/* Checks that t is a Tensor on the CPU and reads its numel and contiguity.
+/* Checks that tensor t (of element size es) is on the CPU; reads its numel and contiguity.
  * A tensor without strides (sparse, ...) is refused with a ValueError. */
 static int tensor_meta(mstate *st, const char *op, const char *arg, Py_ssize_t i, PyObject *t,
-                       int64_t *numel, int *contig)
+                       int64_t es, int64_t *numel, int *contig)
 {
-    if (!PyObject_TypeCheck(t, (PyTypeObject *)st->tensor_type)) {
-        PyErr_Format(PyExc_TypeError, "%s: %s[%zd] must be a torch.Tensor, not %R", op, arg, i,
-                     (PyObject *)Py_TYPE(t));
+    PyObject *r = hot_attr(st, A_IS_CPU, t);
+    if (r == NULL)
         return -1;
-    }
-    int cpu = 0;
-    if (get_bool_attr(t, st->s_is_cpu, &cpu) < 0)
+    int cpu = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (cpu < 0)
         return -1;
     if (!cpu)
         return device_error(st, op, arg, i, t);
-    if (get_int64(t, st->s_numel, numel) < 0)
-        return -1;
-    PyObject *r = call0(t, st->s_is_contiguous);
+    /* nbytes (a getset) is numel() * element size and cheaper to read than
+     * numel(); sparse tensors refuse it, and are refused here by layout. */
+    if ((r = hot_attr(st, A_NBYTES, t)) == NULL) {
+        PyErr_Clear();
+        if (layout_error(st, op, arg, i, t, 0) < 0 || get_int64(t, st->s_numel, numel) < 0)
+            return -1;
+    } else {
+        long long nb = PyLong_AsLongLong(r);
+        Py_DECREF(r);
+        if (nb == -1 && PyErr_Occurred())
+            return -1;
+        *numel = (int64_t)nb / es;
+    }
+    r = call0(t, st->s_is_contiguous);
     if (r == NULL) {
         /* Sparse CSR and other unstrided layouts have no contiguity. */
         PyErr_Clear();
@@ -439,9 +465,14 @@ static int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *s
         ampx_tensor *d = &L->ts[i];
         int contig = 0;
         d->index = (uint32_t)i;
-        if (tensor_meta(st, op, arg, i, t, &d->numel, &contig) < 0)
+        if (!PyObject_TypeCheck(t, (PyTypeObject *)st->tensor_type)) {
+            PyErr_Format(PyExc_TypeError, "%s: %s[%zd] must be a torch.Tensor, not %R", op, arg, i,
+                         (PyObject *)Py_TYPE(t));
             goto error;
+        }
         if ((d->dtype = dtype_code(st, op, arg, i, t)) < 0)
+            goto error;
+        if (tensor_meta(st, op, arg, i, t, elem_size[d->dtype], &d->numel, &contig) < 0)
             goto error;
         if (refuse_fp16 && d->dtype == AMPX_F16) {
             /* torch.amp.GradScaler's own words, for drop-in compatibility. */
@@ -826,13 +857,15 @@ static PyObject *py_update_scale(PyObject *module, PyObject *args)
     return PyLong_FromLong(ev);
 }
 
-/* _init(torch.Tensor, float32, float16, bfloat16, float64, uint8, int32, torch.strided):
+/* _init(torch.Tensor, float32, float16, bfloat16, float64, uint8, int32, torch.strided,
+ *       TensorBase.dtype, TensorBase.is_cpu, TensorBase.nbytes descriptors):
  * called once by ampx/__init__.py. */
 static PyObject *py_init(PyObject *module, PyObject *args)
 {
     mstate *st = get_state(module);
-    PyObject *o[8];
-    if (!PyArg_ParseTuple(args, "OOOOOOOO:_init", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7]))
+    PyObject *o[11];
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOO:_init", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7],
+                          &o[8], &o[9], &o[10]))
         return NULL;
     if (!PyType_Check(o[0])) {
         PyErr_SetString(PyExc_TypeError, "_init: the first argument must be torch.Tensor");
@@ -844,6 +877,14 @@ static PyObject *py_init(PyObject *module, PyObject *args)
     set_ref(&st->dtype_u8, o[5]);
     set_ref(&st->dtype_i32, o[6]);
     set_ref(&st->strided, o[7]);
+    for (int k = 0; k < 3; k++) {
+        set_ref(&st->descr[k], o[8 + k]);
+        /* Python 3.9's limited API cannot fetch slots of static types: fall
+         * back to reading the attribute by name. */
+        st->getter[k] = (descrgetfunc)PyType_GetSlot(Py_TYPE(o[8 + k]), Py_tp_descr_get);
+        if (st->getter[k] == NULL)
+            PyErr_Clear();
+    }
     Py_RETURN_NONE;
 }
 
@@ -1018,7 +1059,8 @@ static int exec_module(PyObject *m)
         intern(&st->s_is_contiguous, "is_contiguous") < 0 || intern(&st->s_data_ptr, "data_ptr") < 0 ||
         intern(&st->s_contiguous, "contiguous") < 0 || intern(&st->s_copy_, "copy_") < 0 ||
         intern(&st->s_grad, "grad") < 0 || intern(&st->s_params, "params") < 0 ||
-        intern(&st->s_size, "size") < 0 || intern(&st->s_stride, "stride") < 0)
+        intern(&st->s_size, "size") < 0 || intern(&st->s_stride, "stride") < 0 ||
+        intern(&st->s_nbytes, "nbytes") < 0)
         return -1;
     st->layout_error = PyErr_NewExceptionWithDoc(
         "ampx._C.LayoutError",
@@ -1052,7 +1094,7 @@ static int exec_module(PyObject *m)
 #define STATE_OBJECTS(X)                                                                                   \
     X(tensor_type) X(dtypes[0]) X(dtypes[1]) X(dtypes[2]) X(dtypes[3]) X(dtype_u8) X(dtype_i32)            \
         X(strided) X(layout_error) X(s_dtype) X(s_is_cpu) X(s_is_cuda) X(s_device) X(s_layout) X(s_numel)         \
-            X(s_is_contiguous) X(s_data_ptr) X(s_contiguous) X(s_copy_) X(s_grad) X(s_params) X(s_size) X(s_stride)
+            X(s_is_contiguous) X(s_data_ptr) X(s_contiguous) X(s_copy_) X(s_grad) X(s_params) X(s_size) X(s_stride) X(s_nbytes) X(descr[0]) X(descr[1]) X(descr[2])
 
 static int m_traverse(PyObject *m, visitproc visit, void *arg)
 {
