@@ -271,6 +271,15 @@ AMPX_INLINE unsigned cast_body_f64(int sdt, int ddt, int sr, const void *src, vo
 
 /* ---- specialisations and the table --------------------------------------- */
 
+/* The modes that get kernels, as literals (they become parts of function
+ * names); each one is tied to its named composition here. */
+_Static_assert(AMPX_MODE_MUL == 3 && AMPX_MODE_CHECK == 4 && AMPX_MODE_UNSCALE == 7, "mode numbers");
+_Static_assert(AMPX_MODE_UNSCALE_NORM(1) == 15 && AMPX_MODE_UNSCALE_NORM(2) == 23 &&
+                   AMPX_MODE_UNSCALE_NORM(3) == 31, "mode numbers");
+_Static_assert(AMPX_MODE_NORM(1) == 12 && AMPX_MODE_NORM(2) == 20 && AMPX_MODE_NORM(3) == 28, "mode numbers");
+_Static_assert(AMPX_MODE_NORM_SCALED(1) == 13 && AMPX_MODE_NORM_SCALED(2) == 21 &&
+                   AMPX_MODE_NORM_SCALED(3) == 29, "mode numbers");
+
 #define AMPX_SCALE_MODES(X, name, dt)                                                            \
     X(name, dt, 3) X(name, dt, 4) X(name, dt, 7) X(name, dt, 15) X(name, dt, 23) X(name, dt, 31)               \
         X(name, dt, 12) X(name, dt, 20) X(name, dt, 28) X(name, dt, 13) X(name, dt, 21)          \
