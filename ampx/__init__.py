@@ -29,9 +29,9 @@ if _simd:
     except ValueError as e:
         raise ImportError(f"AMPX_SIMD={_simd!r}: {e}") from None
 
-from . import ops  # noqa: E402
+from . import cuda, ops  # noqa: E402
 from .policy import Policy  # noqa: E402
 from .scaler import GradScaler, OverflowReport  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["ops", "GradScaler", "OverflowReport", "Policy", "__version__"]
+__all__ = ["ops", "cuda", "GradScaler", "OverflowReport", "Policy", "__version__"]

@@ -222,7 +222,8 @@ def main(argv=None):
     ap.add_argument("--clip", type=float, default=1.0, help="gradient clipping max norm (default 1.0)")
     ap.add_argument("--corpus-bytes", type=int, default=2_000_000, help="characters of source to read")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--device", default=None,
+                    help="cpu or cuda (default: cuda when torch and ampx's CUDA kernels are available)")
     ap.add_argument("--out", default="ampx-demo.png", help="where to write the PNG (default ./ampx-demo.png)")
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
     try:
@@ -234,10 +235,11 @@ def main(argv=None):
             ap.print_usage(sys.stderr)
             print(f"python -m ampx demo: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    gpu = torch.cuda.is_available() and ampx.cuda.is_available()
     if args.device is None:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device("cuda" if gpu else "cpu")
     else:
-        if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
+        if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not gpu):
             ap.print_usage(sys.stderr)
             print(f"python -m ampx demo: error: --device {args.device!r} is not available here", file=sys.stderr)
             return 2

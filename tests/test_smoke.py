@@ -19,3 +19,12 @@ def test_unscale_matches_torch_small():
     ops.unscale_([x], torch.tensor([0.5]), fi)
     assert torch.equal(x, ref)
     assert fi.item() == fi_ref.item() == 0.0
+
+
+def test_cuda_path_reports_itself_unavailable_and_cuda_tensors_are_refused():
+    assert ampx.cuda.is_available() is False
+    if torch.cuda.is_available():  # a GPU machine: a CUDA tensor must get a clear error
+        import pytest
+
+        with pytest.raises(ValueError, match="cuda"):
+            ops.unscale_([torch.ones(3, device="cuda")], 1.0, None)
