@@ -31,7 +31,7 @@ if _simd:
 
 from . import cuda, ops  # noqa: E402
 from .policy import Policy  # noqa: E402
-from .scaler import GradScaler, OverflowReport  # noqa: E402
+from .scaler import GradScaler, OverflowReport, ShardedGradScaler  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["ops", "cuda", "GradScaler", "OverflowReport", "Policy", "__version__"]
+__all__ = ["ops", "cuda", "GradScaler", "ShardedGradScaler", "OverflowReport", "Policy", "__version__"]

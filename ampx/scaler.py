@@ -14,7 +14,7 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from . import _C, ops
 
-__all__ = ["GradScaler", "OverflowReport"]
+__all__ = ["GradScaler", "ShardedGradScaler", "OverflowReport"]
 
 logger = logging.getLogger("ampx")
 
@@ -61,6 +61,12 @@ class GradScaler(torch.amp.GradScaler):
             used to name parameters in overflow reports (see ``watch``).
         history: how many (step, scale) pairs ``stats()`` keeps.
         on_overflow: optional callable receiving an ``OverflowReport`` after each skipped step.
+        process_group: the ``torch.distributed`` group across which the gradients are sharded
+            (FSDP, FSDP2, ZeRO-style optimizers, tensor parallelism). Each step then issues one
+            all-reduce that carries both the overflow flag and the local sum of squares, so all
+            ranks skip the same steps and ``clip_grad_norm_`` clips by the global norm. Leave it
+            None for DDP and single-process training: their gradients are already identical
+            on every rank and need no collective.
 
     Raises:
         AssertionError: growth_factor <= 1 or backoff_factor >= 1 (torch's check).
@@ -70,8 +76,10 @@ class GradScaler(torch.amp.GradScaler):
     def __init__(self, device="cuda", init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
                  growth_interval=2000, enabled=True, *, hysteresis=1, consecutive_hysteresis=False,
                  min_scale=None, max_scale=None, on_min_scale="warn", dynamic=True,
-                 named_parameters=None, history=1000, on_overflow=None):
+                 named_parameters=None, history=1000, on_overflow=None, process_group=None):
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+        self.process_group = process_group
+        self._sharded = process_group is not None
         if int(hysteresis) != hysteresis or hysteresis < 1:
             raise ValueError(f"hysteresis must be an integer >= 1, not {hysteresis!r}")
         lo = 0.0 if min_scale is None else float(min_scale)
@@ -123,8 +131,7 @@ class GradScaler(torch.amp.GradScaler):
         """(params, grads) for the optimizer's parameters whose .grad is set, in order."""
         return _C.collect_grads(optimizer.param_groups)
 
-    @staticmethod
-    def _dense_views(params, allow_fp16, for_norm):
+    def _dense_views(self, params, allow_fp16, for_norm):
         """The tensors the kernels see: each grad, a DTensor grad's local shard, or a sparse
         grad's values.
 
@@ -138,6 +145,8 @@ class GradScaler(torch.amp.GradScaler):
             if (not allow_fp16) and g.dtype == torch.float16:
                 raise ValueError("Attempting to unscale FP16 gradients.")
             if hasattr(g, "to_local"):  # DTensor (FSDP2): work on this rank's shard in place
+                if for_norm and self._sharded:
+                    _check_sharded_placements(g, self._param_names.get(id(p)), len(out))
                 g = g.to_local()
             if g.is_sparse:
                 if g.dtype is torch.float16 or (for_norm and not g.is_coalesced()):
@@ -146,29 +155,81 @@ class GradScaler(torch.amp.GradScaler):
             out.append(g)
         return out
 
-    def _grad_pass(self, optimizer, inv_scale, found_inf, allow_fp16, write, reduce=0):
+    def _grad_pass(self, optimizer, inv_scale, found_inf, allow_fp16, write, reduce=0, need_found=True):
         """One kernel call over the optimizer's gradients; returns ({device: found_inf}, total).
 
         write: unscale in place by inv_scale; otherwise read only (norm of grads * inv_scale).
         Sparse gradients take a slower path through their values. Like torch, the returned
         found_inf is a fresh tensor (the argument is left alone), and an optimizer without
-        gradients records no inf check at all.
+        gradients records no inf check at all, except in sharded mode, where every rank
+        takes part in the step's one collective (``_agree``) whether it holds gradients or not.
+        need_found=False: only the total is wanted from the collective.
         """
         params, grads = self._params_with_grads(optimizer)
         flags = torch.zeros(len(params), dtype=torch.uint8)
         self._flag_sources[id(optimizer)] = (params, flags)
-        if not params:
-            self._last_grads = []
-            return {}, (torch.zeros((), dtype=torch.float32) if reduce else None)
+        if self._sharded:
+            allow_fp16 = True  # as torch's ShardedGradScaler: FSDP may keep fp16 gradients
         found_inf = found_inf.clone()
-        with torch.no_grad():
-            try:
-                total = ops._scaler_pass(grads, reduce, inv_scale, found_inf, flags, write, not allow_fp16)
-            except _C.LayoutError:
-                grads = self._dense_views(params, allow_fp16, bool(reduce))
-                total = ops._scaler_pass(grads, reduce, inv_scale, found_inf, flags, write, not allow_fp16)
+        total = torch.zeros((), dtype=torch.float32) if reduce else None
+        if params:
+            with torch.no_grad():
+                try:
+                    total = ops._scaler_pass(grads, reduce, inv_scale, found_inf, flags, write, not allow_fp16)
+                except _C.LayoutError:
+                    grads = self._dense_views(params, allow_fp16, bool(reduce))
+                    total = ops._scaler_pass(grads, reduce, inv_scale, found_inf, flags, write,
+                                             not allow_fp16)
         self._last_grads = grads
+        if self._sharded:
+            found_inf, total = self._agree(found_inf if need_found else None, total, reduce)
+            if found_inf is None:
+                return {}, total
+        elif not params:
+            return {}, total
         return {found_inf.device: found_inf}, total
+
+    def _agree(self, found_inf, total, reduce):
+        """The sharded step's one collective: every rank learns whether any rank overflowed
+        and the global norm, from one all-reduce of [found_inf, local quantity].
+
+        L2 carries the local sum of squares (float64, summed), L1 the local sum, inf the
+        local max (with MAX, which also ORs the flags). A local NaN norm is sent as +inf
+        under MAX, whose NaN handling differs between backends. Returns the agreed
+        (found_inf, total); found_inf stays 0.0 or 1.0, as fused optimizers expect.
+        """
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return found_inf, total  # one process: nothing to agree on
+        group = self.process_group  # None: the default group
+        like = found_inf if found_inf is not None else total
+        dev = like.device
+        if dev.type == "cpu" and dist.get_backend(group) == "nccl":
+            dev = torch.device("cuda", torch.cuda.current_device())
+        parts = []
+        if found_inf is not None:
+            parts.append(found_inf.reshape(1).to(dev, torch.float64))
+        if reduce:
+            local = total.to(dev, torch.float64).reshape(1)
+            if reduce == 1:
+                local = local * local
+            elif reduce == 3:
+                local = torch.nan_to_num(local, nan=math.inf)
+            parts.append(local)
+        buf = parts[0] if len(parts) == 1 else torch.cat(parts)
+        op = dist.ReduceOp.MAX if (reduce == 3 or not reduce) else dist.ReduceOp.SUM
+        _all_reduce(buf, op, group)
+        i = 0
+        if found_inf is not None:
+            found_inf = buf[0].clamp(max=1.0).to(like.device, torch.float32).reshape(found_inf.shape)
+            i = 1
+        if reduce:
+            g = buf[i]
+            if reduce == 1:
+                g = g.sqrt()
+            total = g.to(total.device, torch.float32).reshape(())
+        return found_inf, total
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         # torch's hook, kept with its signature: libraries call it.
@@ -244,7 +305,8 @@ class GradScaler(torch.amp.GradScaler):
             state["found_inf_per_device"] = per_device
         else:  # already unscaled by unscale_()
             inv = None
-            _, total = self._grad_pass(optimizer, None, self._new_found_inf(), True, write=False, reduce=reduce)
+            _, total = self._grad_pass(optimizer, None, self._new_found_inf(), True, write=False, reduce=reduce,
+                                       need_found=False)
         if error_if_nonfinite and not math.isfinite(total.item()):
             raise RuntimeError(
                 f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, "
@@ -465,7 +527,51 @@ class GradScaler(torch.amp.GradScaler):
             state["_hysteresis_tracker"] = None
         state["_flag_sources"] = {}
         state["_last_grads"] = None
+        # A process group cannot be pickled; a sharded scaler comes back on the default group.
+        state["process_group"] = None
         return state
+
+
+class ShardedGradScaler(GradScaler):
+    """A drop-in for ``torch.distributed.fsdp.ShardedGradScaler``, on ampx's kernels.
+
+    Same constructor as torch's class (note its order: ``backoff_factor`` before
+    ``growth_factor``), same default group (the default process group, looked up at each step),
+    and, as there, gradients may be float16. Unlike torch's class, one collective per step
+    carries both the overflow flag and the norm that ``clip_grad_norm_`` needs, and the
+    extras of ``ampx.GradScaler`` are available as keyword arguments. Without an initialised
+    process group it acts on one process and issues no collective.
+    """
+
+    def __init__(self, device="cuda", init_scale=2.0**16, backoff_factor=0.5, growth_factor=2.0,
+                 growth_interval=2000, enabled=True, process_group=None, **extras):
+        super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
+                         backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled,
+                         process_group=process_group, **extras)
+        self._sharded = True
+
+
+def _all_reduce(buf, op, group):
+    """The scaler's only collective (a module function, so tests can count its calls)."""
+    import torch.distributed as dist
+
+    dist.all_reduce(buf, op=op, group=group)
+
+
+def _check_sharded_placements(grad, name, index):
+    """A norm summed over the group counts each element once only if no gradient is replicated
+    (or pending a reduction) across a mesh dimension of more than one rank."""
+    from torch.distributed.tensor import Shard
+
+    mesh = grad.device_mesh
+    for dim, placement in enumerate(grad.placements):
+        if not isinstance(placement, Shard) and mesh.size(dim) > 1:
+            who = name or f"param[{index}]"
+            raise ValueError(
+                f"ampx.GradScaler(process_group=...): the gradient of {who} is {placement} over mesh "
+                f"dimension {dim} (size {mesh.size(dim)}), so a norm summed over the group would count it "
+                "more than once; pass the group across which gradients are sharded (for HSDP, the shard "
+                "group), or leave process_group None when gradients are replicated")
 
 
 def _fresh_states():

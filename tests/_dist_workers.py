@@ -1,0 +1,296 @@
+"""Multi-process scenarios for test_distributed.py (gloo, CPU).
+
+Each rank runs every scenario in turn and saves what it saw; the tests then compare the
+ranks with one another and with a single-process reference that every rank computes on its
+own (the models are tiny). One spawn per world size keeps the start-up cost to one.
+"""
+import datetime
+import math
+import os
+import random
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import ampx
+import ampx.scaler
+
+# The collectives the scaler could issue; counted while the scaler's own calls run.
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                "reduce_scatter_tensor", "broadcast", "barrier", "all_reduce_coalesced", "gather",
+                "scatter", "all_to_all", "all_to_all_single", "reduce", "all_gather_object",
+                "broadcast_object_list")
+
+
+class CountCollectives:
+    """Counts calls of torch.distributed's collectives inside the with-block."""
+
+    def __init__(self):
+        self.count = 0
+        self._saved = {}
+
+    def __enter__(self):
+        for name in _COLLECTIVES:
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+            self._saved[name] = fn
+
+            def wrapper(*a, _fn=fn, **k):
+                self.count += 1
+                return _fn(*a, **k)
+
+            setattr(dist, name, wrapper)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self._saved = {}
+
+
+# ---- scenario 1: hand-sharded gradients, checked against the full gradient ----------------
+
+SIZES = [1000, 37, 4101, 3, 64 * 65 + 1]
+STEPS = 30
+
+
+def _shard_bounds(n, parts, r):
+    per = -(-n // parts)
+    lo = min(n, r * per)
+    return lo, min(n, lo + per)
+
+
+def _full_grads(step, cfg_index):
+    g = torch.Generator().manual_seed(1000 * cfg_index + step)
+    out = []
+    for n in SIZES:
+        mag = torch.pow(10.0, torch.empty(n, dtype=torch.float64).uniform_(-4, 1, generator=g))
+        out.append((torch.randn(n, dtype=torch.float64, generator=g) * mag).float())
+    return out
+
+
+def _injections(cfg_index, nshard):
+    rng = random.Random(77 + cfg_index)
+    inj = {}
+    for step in range(STEPS):
+        if rng.random() < 0.2:
+            inj[step] = (rng.randrange(nshard), rng.choice([math.inf, -math.inf, math.nan]), rng.random())
+    return inj
+
+
+def _make_opt(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9, foreach=True)
+    if kind == "adamw_fused":
+        return torch.optim.AdamW(params, lr=1e-3, fused=True)
+    if kind == "adamw_foreach":
+        return torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    raise ValueError(kind)
+
+
+MANUAL_CONFIGS = [
+    ("sgd", 2.0, True), ("adamw_fused", 2.0, True), ("adamw_foreach", 1.0, True),
+    ("sgd", math.inf, True), ("adamw_fused", None, False), ("sgd", None, False),
+]
+
+
+def scenario_manual(rank, world):
+    # With 4 ranks the last holds no gradients at all: it must still take part.
+    nshard = world - 1 if world >= 4 else world
+    results = []
+    for ci, (kind, norm_type, clip) in enumerate(MANUAL_CONFIGS):
+        torch.manual_seed(ci)
+        init = [torch.randn(n) for n in SIZES]
+        bounds = [_shard_bounds(n, nshard, rank) if rank < nshard else (0, 0) for n in SIZES]
+        mine = [torch.nn.Parameter(p[lo:hi].clone()) for p, (lo, hi) in zip(init, bounds) if hi > lo]
+        if not mine:
+            mine = [torch.nn.Parameter(torch.zeros(2))]  # holds no gradient, ever
+        ref = [torch.nn.Parameter(p.clone()) for p in init]
+        opt, ref_opt = _make_opt(kind, mine), _make_opt(kind, ref)
+        scaler = ampx.GradScaler("cpu", init_scale=2.0**10, growth_interval=4,
+                                 process_group=dist.group.WORLD)
+        ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
+        scaler.scale(torch.zeros(()))  # creates the scale tensors, as backward of a scaled loss would
+        ref_scaler.scale(torch.zeros(()))
+        inj = _injections(ci, nshard)
+        rec = {"scale": [], "ref_scale": [], "skipped": [], "ref_skipped": [], "norm": [], "ref_norm": [],
+               "exact_norm": [], "collectives": []}
+        for step in range(STEPS):
+            full = _full_grads(step, ci)
+            s = scaler.get_scale()
+            ref_s = ref_scaler.get_scale()
+            for p, g in zip(ref, full):
+                p.grad = g * ref_s
+            j = 0
+            for (lo, hi), g in zip(bounds, full):
+                if hi > lo:
+                    mine[j].grad = g[lo:hi] * s
+                    j += 1
+            if step in inj:
+                who, value, where = inj[step]
+                ref[2].grad[int(where * SIZES[2])] = value
+                if rank == who:
+                    g = mine[2].grad if len(mine) > 2 else mine[0].grad
+                    g[int(where * g.numel())] = value
+            # reference: torch's scaler and clip on the full gradients
+            ref_scaler.unscale_(ref_opt)
+            if clip:
+                exact = torch.linalg.vector_norm(torch.cat([p.grad.double() for p in ref]), norm_type)
+                ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0, norm_type)
+            ref_step_before = [p.detach().clone() for p in ref[:1]]
+            ref_scaler.step(ref_opt)
+            rec["ref_skipped"].append(bool(torch.equal(ref_step_before[0], ref[0].detach())))
+            ref_scaler.update()
+            with CountCollectives() as cc:
+                if clip:
+                    norm = scaler.clip_grad_norm_(opt, 1.0, norm_type)
+                scaler.step(opt)
+                scaler.update()
+            rec["collectives"].append(cc.count)
+            rec["skipped"].append(bool(scaler.last_step_skipped))
+            rec["scale"].append(scaler.get_scale())
+            rec["ref_scale"].append(ref_scaler.get_scale())
+            if clip:
+                rec["norm"].append(float(norm))
+                rec["ref_norm"].append(float(ref_norm))
+                rec["exact_norm"].append(float(exact))
+        rec["params"] = [p.detach().clone() for p in mine] if rank < nshard else []
+        rec["ref_params"] = [ref[i].detach()[lo:hi].clone() for i, (lo, hi) in enumerate(bounds) if hi > lo]
+        rec["config"] = (kind, norm_type, clip)
+        results.append(rec)
+    return results
+
+
+# ---- scenarios 2-4: FSDP2, FSDP1 and DDP with fp16 autocast vs one process ---------------
+
+MODEL_STEPS = 50
+GLOBAL_BATCH = 8
+INJECT = {7: math.inf, 19: math.nan, 20: math.inf, 33: -math.inf}
+
+
+def _model():
+    torch.manual_seed(5)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
+                               torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 4, generator=g)
+
+
+def _loss(model, x, y):
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(x)
+    return torch.nn.functional.mse_loss(out.float(), y)
+
+
+def _reference(opt_kind):
+    """One process, the whole batch, torch's scaler and clip_grad_norm_."""
+    model = _model()
+    opt = _make_opt(opt_kind, model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10)
+    scales, norms = [], []
+    for step in range(MODEL_STEPS):
+        x, y = _batch(step)
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(_loss(model, x, y)).backward()
+        if step in INJECT:
+            next(model.parameters()).grad.view(-1)[0] = INJECT[step]
+        scaler.unscale_(opt)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return {"scale": scales, "norm": norms, "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def _train(rank, world, model, opt, scaler, local_grad_for_injection, every_rank=False):
+    """every_rank: inject on all ranks (DDP's gradients are replicas); else on one rank's shard."""
+    per = GLOBAL_BATCH // world
+    rec = {"scale": [], "norm": [], "collectives": []}
+    for step in range(MODEL_STEPS):
+        x, y = _batch(step)
+        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(_loss(model, x, y)).backward()
+        if step in INJECT and (every_rank or rank == step % world):
+            g = local_grad_for_injection()
+            g.view(-1)[0] = INJECT[step]
+        with CountCollectives() as cc:
+            norm = scaler.clip_grad_norm_(opt, 1.0)
+            scaler.step(opt)
+            scaler.update()
+        rec["collectives"].append(cc.count)
+        rec["scale"].append(scaler.get_scale())
+        rec["norm"].append(float(norm))
+    return rec
+
+
+def scenario_fsdp2(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = _make_opt("adamw_foreach", model.parameters())
+    scaler = ampx.GradScaler("cpu", init_scale=2.0**10, growth_interval=10, process_group=mesh.get_group())
+    first = next(model.parameters())
+    rec = _train(rank, world, model, opt, scaler, lambda: first.grad.to_local())
+    rec["params"] = [p.detach().full_tensor().clone() for p in model.parameters()]
+    rec["reference"] = _reference("adamw_foreach")
+    return rec
+
+
+def scenario_fsdp1(rank, world):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = FSDP(_model(), device_id=torch.device("cpu"))
+    opt = _make_opt("sgd", model.parameters())
+    scaler = ampx.ShardedGradScaler("cpu", init_scale=2.0**10, growth_interval=10)
+    flat = next(model.parameters())
+    rec = _train(rank, world, model, opt, scaler, lambda: flat.grad)
+    with FSDP.summon_full_params(model):
+        rec["params"] = [p.detach().clone() for p in model.module.parameters()]
+    rec["reference"] = _reference("sgd")
+    return rec
+
+
+def scenario_ddp(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_model())
+    opt = _make_opt("sgd", model.parameters())
+    scaler = ampx.GradScaler("cpu", init_scale=2.0**10, growth_interval=10)  # no process group
+    # DDP gradients are identical on every rank: the injection must hit all of them.
+    first = next(model.parameters())
+    rec = _train(rank, world, model, opt, scaler, lambda: first.grad, every_rank=True)
+    rec["params"] = [p.detach().clone() for p in model.module.parameters()]
+    rec["reference"] = _reference("sgd")
+    return rec
+
+
+SCENARIOS = {"manual": scenario_manual, "fsdp2": scenario_fsdp2, "fsdp1": scenario_fsdp1, "ddp": scenario_ddp}
+
+
+def run(rank, world, store, out_dir, names):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    results = {}
+    try:
+        for name in names:
+            try:
+                results[name] = SCENARIOS[name](rank, world)
+            except Exception:
+                results[name] = {"error": traceback.format_exc()}
+            dist.barrier()
+    finally:
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()

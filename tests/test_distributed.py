@@ -1,0 +1,161 @@
+"""Sharded loss scaling across processes (gloo on CPU, 2 and 4 ranks).
+
+Every rank must skip the same steps, hold the same scale after every step, clip by the
+norm of the whole (unsharded) gradient, and issue exactly one collective per step; DDP
+needs none. The scenarios themselves live in _dist_workers.py; they run once per world
+size (one spawn) and the tests below read what each rank saw.
+"""
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ampx
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _dist_workers as W  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
+
+SCENARIOS_BY_WORLD = {2: ["manual", "fsdp2", "fsdp1", "ddp"], 4: ["manual", "fsdp2", "fsdp1"]}
+
+
+@pytest.fixture(scope="module", params=sorted(SCENARIOS_BY_WORLD))
+def world_results(request, tmp_path_factory):
+    world = request.param
+    d = tmp_path_factory.mktemp(f"dist{world}")
+    torch.multiprocessing.spawn(W.run, args=(world, str(d / "store"), str(d), SCENARIOS_BY_WORLD[world]),
+                                nprocs=world, join=True)
+    ranks = [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return world, ranks
+
+
+def _scenario(world_results, name):
+    world, ranks = world_results
+    if name not in SCENARIOS_BY_WORLD[world]:
+        pytest.skip(f"{name} is not run with {world} ranks")
+    out = []
+    for r, res in enumerate(ranks):
+        rec = res[name]
+        if isinstance(rec, dict) and "error" in rec:
+            pytest.fail(f"rank {r} failed in {name}:\n{rec['error']}")
+        out.append(rec)
+    return world, out
+
+
+# ---- hand-sharded gradients -------------------------------------------------------------
+
+def test_manual_shards_agree_with_the_full_gradient(world_results):
+    world, per_rank = _scenario(world_results, "manual")
+    for ci, cfg in enumerate(W.MANUAL_CONFIGS):
+        recs = [r[ci] for r in per_rank]
+        assert all(rec["config"] == cfg for rec in recs)
+        ref = recs[0]
+        assert any(ref["ref_skipped"]), "the injection schedule must overflow at least once"
+        assert not all(ref["ref_skipped"])
+        for r, rec in enumerate(recs):
+            # the same decisions and scales as torch's scaler on the whole gradient, on every rank
+            assert rec["skipped"] == ref["ref_skipped"], (cfg, r)
+            assert rec["scale"] == ref["ref_scale"], (cfg, r)
+            assert rec["collectives"] == [1] * W.STEPS, (cfg, r)
+            if cfg[2]:
+                for step, (n, e, t) in enumerate(zip(rec["norm"], rec["exact_norm"], rec["ref_norm"])):
+                    if math.isfinite(e):
+                        assert n == pytest.approx(e, rel=2e-6), (cfg, r, step)
+                        assert n == pytest.approx(t, rel=1e-5), (cfg, r, step)  # torch sums in float32
+                    else:
+                        assert not math.isfinite(n), (cfg, r, step)
+            for p, q in zip(rec["params"], rec["ref_params"]):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_rank_without_gradients_takes_part(world_results):
+    world, per_rank = _scenario(world_results, "manual")
+    if world < 4:
+        pytest.skip("only the 4-rank run has a rank without gradients")
+    empty = per_rank[world - 1]
+    assert all(rec["params"] == [] for rec in empty)
+    for ci in range(len(W.MANUAL_CONFIGS)):
+        assert empty[ci]["scale"] == per_rank[0][ci]["scale"]
+        assert empty[ci]["skipped"] == per_rank[0][ci]["skipped"]
+
+
+# ---- FSDP2, FSDP1, DDP against one process --------------------------------------------------
+
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp1", "ddp"])
+def test_wrapped_training_matches_one_process(world_results, name):
+    world, recs = _scenario(world_results, name)
+    ref = recs[0]["reference"]
+    skipped = [s for s in W.INJECT]
+    assert len(ref["scale"]) == W.MODEL_STEPS == len(recs[0]["scale"])
+    for r, rec in enumerate(recs):
+        assert rec["scale"] == ref["scale"], (name, r)  # the same skips and the same scale, every step
+        expected = 0 if name == "ddp" else 1
+        assert rec["collectives"] == [expected] * W.MODEL_STEPS, (name, r)
+        for step, (n, m) in enumerate(zip(rec["norm"], ref["norm"])):
+            if step in skipped:
+                assert not math.isfinite(n), (name, r, step)
+            else:
+                assert n == pytest.approx(m, rel=5e-3), (name, r, step)
+        for p, q in zip(rec["params"], ref["params"]):
+            torch.testing.assert_close(p, q, rtol=2e-3, atol=2e-4)
+    # the scale moved both ways during the run, so the comparison above means something
+    scales = ref["scale"]
+    assert any(b > a for a, b in zip(scales, scales[1:])) and any(b < a for a, b in zip(scales, scales[1:]))
+
+
+# ---- single process ------------------------------------------------------------------------
+
+def test_sharded_scaler_on_one_process_issues_nothing():
+    assert not dist.is_initialized()
+    p = torch.nn.Parameter(torch.ones(5))
+    opt = torch.optim.SGD([p], lr=0.1)
+    s = ampx.ShardedGradScaler("cpu", init_scale=4.0)
+    s.scale(torch.ones(()))
+    p.grad = torch.full((5,), 8.0)
+    norm = s.clip_grad_norm_(opt, 100.0)
+    s.step(opt)
+    s.update()
+    assert float(norm) == pytest.approx(math.sqrt(5 * 4.0))
+    torch.testing.assert_close(p.detach(), torch.full((5,), 1 - 0.2))
+
+
+def test_sharded_scaler_has_torchs_constructor_order():
+    import inspect
+
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchSharded
+
+    ours = list(inspect.signature(ampx.ShardedGradScaler).parameters)
+    theirs = list(inspect.signature(TorchSharded).parameters)
+    assert ours[:len(theirs)] == theirs
+    s = ampx.ShardedGradScaler("cpu", 8.0, 0.25, 4.0, 3)
+    assert (s.get_scale(), s.get_backoff_factor(), s.get_growth_factor(), s.get_growth_interval()) == \
+        (8.0, 0.25, 4.0, 3)
+    assert isinstance(s, torch.amp.GradScaler)
+
+
+def test_sharded_scaler_accepts_fp16_gradients_like_torchs():
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    opt = torch.optim.SGD([p], lr=1.0)
+    s = ampx.ShardedGradScaler("cpu", init_scale=2.0)
+    s.scale(torch.ones(()))
+    p.grad = torch.full((4,), 2.0, dtype=torch.float16)
+    s.unscale_(opt)
+    assert torch.equal(p.grad, torch.ones(4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="FP16"):
+        q = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+        q.grad = torch.ones(4, dtype=torch.float16)
+        plain = ampx.GradScaler("cpu")
+        plain.scale(torch.ones(()))
+        plain.unscale_(torch.optim.SGD([q], lr=1.0))
+
+
+def test_sharded_scaler_pickles_without_its_group():
+    import pickle
+
+    s = ampx.GradScaler("cpu", process_group=object())
+    t = pickle.loads(pickle.dumps(s))
+    assert t.process_group is None and t._sharded
