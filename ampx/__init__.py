@@ -30,8 +30,9 @@ if _simd:
         raise ImportError(f"AMPX_SIMD={_simd!r}: {e}") from None
 
 from . import cuda, ops  # noqa: E402
+from .master import MasterWeights  # noqa: E402
 from .policy import Policy  # noqa: E402
 from .scaler import GradScaler, OverflowReport, ShardedGradScaler  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["ops", "cuda", "GradScaler", "ShardedGradScaler", "OverflowReport", "Policy", "__version__"]
+__all__ = ["ops", "cuda", "GradScaler", "ShardedGradScaler", "OverflowReport", "MasterWeights", "Policy", "__version__"]

@@ -180,6 +180,19 @@ class Policy:
         enabled = self.loss_scaling != "none"
         return GradScaler(self.device.type, enabled=enabled, dynamic=self.loss_scaling != "static", **kw)
 
+    def master_weights_optimizer(self, optimizer, model=None, *, rounding="nearest", seed=0):
+        """With ``master_weights=True``: ``ampx.MasterWeights`` over ``optimizer``; the model (or,
+        without one, the optimizer's parameters) is cast to the policy's dtype after its float32
+        values are kept as the masters. Otherwise the optimizer unchanged."""
+        if not self.master_weights:
+            return optimizer
+        if self.dtype == torch.float32:
+            raise ValueError("master_weights=True needs dtype bf16 or fp16: with fp32 the parameters "
+                             "already are their own masters")
+        from .master import MasterWeights
+
+        return MasterWeights(optimizer, model=model, dtype=self.dtype, rounding=rounding, seed=seed)
+
     def fsdp_mixed_precision(self):
         """FSDP1's ``MixedPrecision`` (None for fp32): parameters cast to the compute dtype before
         the all-gather, gradients reduced in fp32."""

@@ -13,6 +13,7 @@ import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from . import _C, ops
+from .master import MasterWeights
 
 __all__ = ["GradScaler", "ShardedGradScaler", "OverflowReport"]
 
@@ -128,7 +129,10 @@ class GradScaler(torch.amp.GradScaler):
 
     @staticmethod
     def _params_with_grads(optimizer):
-        """(params, grads) for the optimizer's parameters whose .grad is set, in order."""
+        """(params, grads) for the optimizer's parameters whose .grad is set, in order. For
+        ``ampx.MasterWeights`` these are the model's gradients, before they reach the masters."""
+        if isinstance(optimizer, MasterWeights):
+            return optimizer._ampx_grads()
         return _C.collect_grads(optimizer.param_groups)
 
     def _dense_views(self, params, allow_fp16, for_norm):
@@ -168,11 +172,16 @@ class GradScaler(torch.amp.GradScaler):
         params, grads = self._params_with_grads(optimizer)
         flags = torch.zeros(len(params), dtype=torch.uint8)
         self._flag_sources[id(optimizer)] = (params, flags)
-        if self._sharded:
-            allow_fp16 = True  # as torch's ShardedGradScaler: FSDP may keep fp16 gradients
+        if self._sharded or isinstance(optimizer, MasterWeights):
+            # torch's ShardedGradScaler allows fp16 (FSDP may keep fp16 gradients); with master
+            # weights fp16 gradients are unscaled on their way into float32 masters (Apex O2)
+            allow_fp16 = True
         found_inf = found_inf.clone()
         total = torch.zeros((), dtype=torch.float32) if reduce else None
-        if params:
+        if params and write and isinstance(optimizer, MasterWeights):
+            # model gradients -> master gradients, unscaled and checked, in one cast pass
+            optimizer._ampx_cast_grads_(inv_scale, found_inf, flags)
+        elif params:
             with torch.no_grad():
                 try:
                     total = ops._scaler_pass(grads, reduce, inv_scale, found_inf, flags, write, not allow_fp16)
@@ -280,6 +289,8 @@ class GradScaler(torch.amp.GradScaler):
             RuntimeError: called twice, or after ``step``, in the same iteration.
         """
         if not self._enabled:
+            if isinstance(optimizer, MasterWeights):
+                optimizer._ampx_cast_grads_()  # clip the float32 copies, not the bf16 gradients
             params = [p for g in optimizer.param_groups for p in g["params"]]
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
         self._check_scale_growth_tracker("clip_grad_norm_")
@@ -324,8 +335,14 @@ class GradScaler(torch.amp.GradScaler):
             state["inf_checked"] = True
             return total
         factor = coef if inv is None else inv * coef
-        with torch.no_grad():
-            ops.mul_(self._last_grads, factor)  # the dense views of the pass just made
+        if isinstance(optimizer, MasterWeights):
+            if inv is None:
+                optimizer._ampx_scale_master_grads_(coef)
+            else:
+                optimizer._ampx_cast_grads_(factor)  # unscale + clip on the way to the masters
+        else:
+            with torch.no_grad():
+                ops.mul_(self._last_grads, factor)  # the dense views of the pass just made
         self._last_grads = None
         state["stage"] = OptState.UNSCALED
         return total
