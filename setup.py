@@ -8,12 +8,26 @@ SIMD: the kernel body is compiled once per instruction-set level, each file
 with its own -m flags, and ampx picks the level at run time. The rest of the
 code gets the toolchain's default target (never -march=native).
 
+CUDA: when nvcc is found ($CUDA_HOME/bin/nvcc, /usr/local/cuda/bin/nvcc, then
+PATH), cuda/ampx_kernels.cu is compiled into ampx/_kernels.fatbin (SASS for
+sm_80, sm_86, sm_89, sm_90 and PTX for compute_90), shipped inside the
+package. The C extension never links against CUDA: it opens libcuda.so.1 at
+run time and loads the fatbin through the driver API, so the same build
+imports everywhere. Neither step needs torch or a GPU.
+
 Environment:
   AMPX_DEBUG=1       build with -O0 -g (and AMPX_SANITIZE=address,undefined adds sanitizers)
+  AMPX_CUDA=1        build the fatbin, failing when nvcc is missing; AMPX_CUDA=0 skips it
+                     (an existing fatbin is left alone); unset: build it when nvcc is found
+  AMPX_NVCC_FLAGS    extra nvcc flags (e.g. -allow-unsupported-compiler)
 """
 import os
 import platform
+import shlex
+import shutil
+import subprocess
 import sys
+import tempfile
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -26,7 +40,15 @@ ISA_SOURCES = {
     "cpu_kernels_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
     "cpu_kernels_avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
 }
-COMMON_SOURCES = ["module.c", "multi_tensor.c", "threadpool.c", "cpu_dispatch.c", "cpu_kernels_portable.c"]
+COMMON_SOURCES = ["module.c", "multi_tensor.c", "threadpool.c", "cpu_dispatch.c", "cpu_kernels_portable.c",
+                  "cuda_driver.c", "cuda_launch.c"]
+
+# The CUDA kernels: one source, one fatbin next to the extension module.
+CUDA_SOURCE = os.path.join("cuda", "ampx_kernels.cu")
+CUDA_DEPENDS = [CUDA_SOURCE] + [os.path.join(CSRC, h) for h in ("ampx_numerics.h", "cuda_args.h", "cuda_driver.h")]
+FATBIN_NAME = "_kernels.fatbin"
+# SASS for each listed architecture, PTX for the last (the driver compiles it for newer GPUs).
+CUDA_ARCHS = ["80", "86", "89", "90"]
 
 
 def is_x86_64():
@@ -45,6 +67,51 @@ def c_flags():
     return flags
 
 
+def find_nvcc():
+    """nvcc from $CUDA_HOME, /usr/local/cuda, then PATH; None if there is none."""
+    candidates = []
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            candidates.append(os.path.join(os.environ[var], "bin", "nvcc"))
+    candidates.append("/usr/local/cuda/bin/nvcc")
+    for c in candidates:
+        if os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    return shutil.which("nvcc")
+
+
+def cuda_wanted():
+    """(build the fatbin?, nvcc path); raises when AMPX_CUDA=1 and there is no nvcc."""
+    mode = os.environ.get("AMPX_CUDA", "").strip().lower()
+    if mode in ("0", "no", "off", "false"):
+        return False, None
+    nvcc = find_nvcc()
+    if mode in ("1", "yes", "on", "true"):
+        if nvcc is None:
+            sys.exit("AMPX_CUDA=1 but nvcc was not found ($CUDA_HOME/bin, /usr/local/cuda/bin, PATH)")
+        return True, nvcc
+    if mode:
+        sys.exit(f"AMPX_CUDA={mode!r}: expected 1 or 0")
+    return nvcc is not None, nvcc
+
+
+def nvcc_command(nvcc, out):
+    cmd = [nvcc, "-std=c++17", "-O3", "--fatbin", "-I" + CSRC, "--threads", "0"]
+    for a in CUDA_ARCHS[:-1]:
+        cmd += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    last = CUDA_ARCHS[-1]
+    cmd += ["-gencode", f"arch=compute_{last},code=[sm_{last},compute_{last}]"]
+    cmd += shlex.split(os.environ.get("AMPX_NVCC_FLAGS", ""))
+    return cmd + ["-o", out, CUDA_SOURCE]
+
+
+def up_to_date(target, sources):
+    if not os.path.isfile(target) or os.path.getsize(target) == 0:
+        return False
+    t = os.path.getmtime(target)
+    return all(os.path.getmtime(s) <= t for s in sources)
+
+
 def link_flags():
     flags = ["-pthread"]
     sanitize = os.environ.get("AMPX_SANITIZE")
@@ -54,7 +121,49 @@ def link_flags():
 
 
 class BuildExt(build_ext):
-    """Compiles the per-ISA kernel files with their own flags, then links them in."""
+    """Builds the CUDA fatbin (when wanted), then compiles the per-ISA kernel
+    files with their own flags and links them in."""
+
+    def run(self):
+        self.build_fatbin()
+        super().run()
+
+    def fatbin_path(self):
+        # Next to the extension module: the source tree for in-place and editable
+        # builds, build_lib (and so the wheel) otherwise.
+        return os.path.join(os.path.dirname(self.get_ext_fullpath("ampx._C")), FATBIN_NAME)
+
+    def build_fatbin(self):
+        want, nvcc = cuda_wanted()
+        if not want:
+            why = "AMPX_CUDA=0" if os.environ.get("AMPX_CUDA") else "nvcc not found"
+            print(f"ampx: CUDA kernels not built ({why})")
+            return
+        out = self.fatbin_path()
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        if not self.force and up_to_date(out, [os.path.join(HERE, d) for d in CUDA_DEPENDS]):
+            return
+        fd, tmp = tempfile.mkstemp(suffix=".fatbin", dir=os.path.dirname(out))
+        os.close(fd)
+        cmd = nvcc_command(nvcc, tmp)
+        print("ampx: " + " ".join(shlex.quote(c) for c in cmd))
+        try:
+            subprocess.run(cmd, cwd=HERE, check=True)
+            if os.path.getsize(tmp) == 0:
+                raise RuntimeError("nvcc wrote an empty fatbin")
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, out)
+        except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            sys.exit(f"ampx: building the CUDA kernels failed ({e}); AMPX_CUDA=0 builds without them")
+
+    def get_outputs(self):
+        outputs = super().get_outputs()
+        out = self.fatbin_path()
+        if os.path.isfile(out):
+            outputs.append(out)
+        return outputs
 
     def build_extension(self, ext):
         if ext.name == "ampx._C" and is_x86_64() and self.compiler.compiler_type == "unix":
@@ -78,6 +187,7 @@ ext = Extension(
     depends=[os.path.join(CSRC, h) for h in os.listdir(os.path.join(HERE, CSRC)) if h.endswith(".h")],
     extra_compile_args=c_flags(),
     extra_link_args=link_flags(),
+    libraries=["dl"] if sys.platform.startswith("linux") else [],
     py_limited_api=True,
 )
 

@@ -6,6 +6,17 @@ them all in one call of C code that runs with the GIL released, vectorised
 (AVX-512, AVX2 or portable C, chosen at run time) and threaded next to
 torch's own pool (``torch.get_num_threads()`` threads, or AMPX_NUM_THREADS).
 
+CUDA tensors take ampx's CUDA kernels (see ``ampx.cuda``) when the first
+tensor of a call is on a CUDA device: every tensor of the call, and every
+tensor argument (``found_inf``, ``flags``, ``scale``...), must be on that
+device. The kernels run there, on torch's current stream of that device, and
+never wait for the host: outputs (``found_inf``, ``flags``, norms, the scale)
+are written on the device, and the returned norms are device tensors. Factors
+may be Python numbers, 1-element float32 tensors on the device (read by the
+kernels) or on the CPU. Norms there accumulate in float64 too, in a fixed
+order of their own (the same bits on every run, close to but not always the
+CPU's bits); stored values equal the CPU's except NaN payloads.
+
 Scalars that live with the tensors (``inv_scale``, ``found_inf``, ``scale``)
 are 1-element float32 tensors, as in torch; ``growth_tracker`` is int32.
 
@@ -29,6 +40,7 @@ import os
 import torch
 
 from . import _C
+from . import cuda as _cuda
 
 __all__ = [
     "unscale_",
@@ -84,10 +96,24 @@ def _reduce_code(op, ord):
         raise ValueError(f"{op}: ord must be 2, 1 or inf, not {ord!r}") from None
 
 
-def _outputs(tensors, per_tensor):
+def _outputs(tensors, per_tensor, device=-1):
+    if device >= 0:  # written by the kernels
+        dev = torch.device("cuda", device)
+        total = torch.empty((), dtype=torch.float32, device=dev)
+        per = torch.empty(len(tensors), dtype=torch.float32, device=dev) if per_tensor else None
+        return total, per
     total = torch.zeros((), dtype=torch.float32)
     per = torch.empty(len(tensors), dtype=torch.float32) if per_tensor else None
     return total, per
+
+
+def _cuda_device(tensors):
+    """The CUDA device index of the first tensor (the call then runs there), or -1."""
+    if len(tensors):
+        t = tensors[0]
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            return t.get_device()
+    return -1
 
 
 def unscale_(tensors, inv_scale, found_inf, *, flags=None):
@@ -110,6 +136,11 @@ def unscale_(tensors, inv_scale, found_inf, *, flags=None):
             share memory (an expanded or overlapping strided view).
     """
     tensors = _as_list(tensors, "tensors")
+    dev = _cuda_device(tensors)
+    if dev >= 0:
+        _cuda._scale_reduce("ampx.ops.unscale_", tensors, _SCALE | _WRITE | _CHECK, inv_scale, found_inf, flags,
+                            None, None, dev, False, "inv_scale")
+        return
     _C.scale_reduce("ampx.ops.unscale_", tensors, _SCALE | _WRITE | _CHECK, inv_scale, found_inf, flags,
                     None, None, _threads(), False, "inv_scale")
 
@@ -122,6 +153,10 @@ def check_finite(tensors, found_inf, *, flags=None):
     Arguments and errors as for ``unscale_``.
     """
     tensors = _as_list(tensors, "tensors")
+    dev = _cuda_device(tensors)
+    if dev >= 0:
+        _cuda._scale_reduce("ampx.ops.check_finite", tensors, _CHECK, None, found_inf, flags, None, None, dev)
+        return
     _C.scale_reduce("ampx.ops.check_finite", tensors, _CHECK, None, found_inf, flags, None, None, _threads())
 
 
@@ -150,8 +185,12 @@ def norm(tensors, ord=2.0, *, factor=None, found_inf=None, flags=None, per_tenso
     tensors = _as_list(tensors, "tensors")
     r = _reduce_code("ampx.ops.norm", ord)
     mode = _CHECK | (r << _SHIFT) | (_SCALE if factor is not None else 0)
-    total, per = _outputs(tensors, per_tensor)
-    _C.scale_reduce("ampx.ops.norm", tensors, mode, factor, found_inf, flags, per, total, _threads())
+    dev = _cuda_device(tensors)
+    total, per = _outputs(tensors, per_tensor, dev)
+    if dev >= 0:
+        _cuda._scale_reduce("ampx.ops.norm", tensors, mode, factor, found_inf, flags, per, total, dev)
+    else:
+        _C.scale_reduce("ampx.ops.norm", tensors, mode, factor, found_inf, flags, per, total, _threads())
     return (total, per) if per_tensor else total
 
 
@@ -166,9 +205,14 @@ def unscale_norm_(tensors, inv_scale, found_inf, *, ord=2.0, flags=None, per_ten
     """
     tensors = _as_list(tensors, "tensors")
     r = _reduce_code("ampx.ops.unscale_norm_", ord)
-    total, per = _outputs(tensors, per_tensor)
-    _C.scale_reduce("ampx.ops.unscale_norm_", tensors, _SCALE | _WRITE | _CHECK | (r << _SHIFT), inv_scale,
-                    found_inf, flags, per, total, _threads(), False, "inv_scale")
+    dev = _cuda_device(tensors)
+    total, per = _outputs(tensors, per_tensor, dev)
+    if dev >= 0:
+        _cuda._scale_reduce("ampx.ops.unscale_norm_", tensors, _SCALE | _WRITE | _CHECK | (r << _SHIFT), inv_scale,
+                            found_inf, flags, per, total, dev, False, "inv_scale")
+    else:
+        _C.scale_reduce("ampx.ops.unscale_norm_", tensors, _SCALE | _WRITE | _CHECK | (r << _SHIFT), inv_scale,
+                        found_inf, flags, per, total, _threads(), False, "inv_scale")
     return (total, per) if per_tensor else total
 
 
@@ -180,6 +224,10 @@ def mul_(tensors, factor):
     to the tensor's dtype. Errors as for ``unscale_``.
     """
     tensors = _as_list(tensors, "tensors")
+    dev = _cuda_device(tensors)
+    if dev >= 0:
+        _cuda._scale_reduce("ampx.ops.mul_", tensors, _SCALE | _WRITE, factor, None, None, None, None, dev)
+        return
     _C.scale_reduce("ampx.ops.mul_", tensors, _SCALE | _WRITE, factor, None, None, None, None, _threads())
 
 
@@ -222,16 +270,30 @@ def cast_(src, dst, *, inv_scale=None, found_inf=None, flags=None, rounding="nea
     for name, v in (("seed", seed), ("offset", offset)):
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < _U64:
             raise ValueError(f"ampx.ops.cast_: {name} must be an integer in [0, 2**64), not {v!r}")
+    dev = _cuda_device(src) if len(src) else _cuda_device(dst)
+    if dev >= 0:
+        _cuda._cast("ampx.ops.cast_", src, dst, inv_scale, found_inf, flags, rounding == "stochastic", seed, offset,
+                    dev)
+        return
     _C.cast("ampx.ops.cast_", src, dst, inv_scale, found_inf, flags, rounding == "stochastic", seed, offset,
             _threads())
 
 
 def _update_scale_events(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval,
                          hysteresis, hysteresis_tracker, consecutive_hysteresis, min_scale, max_scale):
+    """The update; returns its events (AMPX_UPD_* bits): an int on the CPU, and for a CUDA
+    ``scale`` a 0-dim int32 tensor on its device, written by the kernel (reading it waits)."""
     if hysteresis < 1:
         raise ValueError(f"ampx.ops.update_scale_: hysteresis must be >= 1, not {hysteresis}")
     if hysteresis > 1 and hysteresis_tracker is None:
         raise ValueError("ampx.ops.update_scale_: hysteresis > 1 needs a hysteresis_tracker (int32, 1 element)")
+    if isinstance(scale, torch.Tensor) and scale.is_cuda:
+        dev = scale.get_device()
+        events = torch.empty((), dtype=torch.int32, device=scale.device)
+        _cuda._update_scale(scale, growth_tracker, hysteresis_tracker, found_inf, float(growth_factor),
+                            float(backoff_factor), int(growth_interval), int(hysteresis),
+                            bool(consecutive_hysteresis), float(min_scale), float(max_scale), events, dev)
+        return events
     return _C.update_scale(scale, growth_tracker, hysteresis_tracker, found_inf, float(growth_factor),
                            float(backoff_factor), int(growth_interval), int(hysteresis),
                            bool(consecutive_hysteresis), float(min_scale), float(max_scale))
@@ -253,6 +315,9 @@ def update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_facto
             start it at ``hysteresis``) until one is left; a growth refills it.
         consecutive_hysteresis: refill on every clean step instead.
         min_scale, max_scale: bounds the scale never leaves.
+
+    On CUDA (a CUDA ``scale``; the other tensors on its device) the update is a
+    one-thread kernel on the current stream: nothing waits for the device.
 
     Raises:
         TypeError, ValueError: a tensor of the wrong dtype, size or device;
@@ -276,6 +341,12 @@ def _scaler_pass(tensors, mode_reduce, factor, found_inf, flags, write, refuse_f
         mode |= _SCALE | _WRITE
     elif mode_reduce and factor is not None:
         mode |= _SCALE
+    dev = _cuda_device(tensors)
+    if dev >= 0:
+        total = torch.empty((), dtype=torch.float32, device=torch.device("cuda", dev)) if mode_reduce else None
+        _cuda._scale_reduce("ampx.GradScaler", tensors, mode, factor, found_inf, flags, None, total, dev,
+                            refuse_fp16)
+        return total
     total = torch.zeros((), dtype=torch.float32) if mode_reduce else None
     _C.scale_reduce("ampx.GradScaler", tensors, mode, factor, found_inf, flags, None, total, _threads(),
                     refuse_fp16)

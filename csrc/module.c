@@ -24,6 +24,7 @@
 
 #include "ampx_numerics.h"
 #include "cpu_dispatch.h"
+#include "cuda_driver.h"
 #include "multi_tensor.h"
 
 /* Below this many elements a call keeps the GIL: releasing it costs more. */
@@ -40,6 +41,10 @@ typedef struct {
     PyObject *descr[3];         /* TensorBase.dtype, .is_cpu, .nbytes */
     descrgetfunc getter[3];
     PyObject *layout_error;     /* ampx._C.LayoutError, a ValueError */
+    /* The CUDA path: TensorBase.is_cuda (fetched on first use), its getter. */
+    PyObject *descr_is_cuda;
+    descrgetfunc getter_is_cuda;
+    PyObject *s_get_device;
     PyObject *s_dtype, *s_is_cpu, *s_is_cuda, *s_device, *s_layout, *s_numel, *s_is_contiguous,
         *s_data_ptr, *s_contiguous, *s_copy_, *s_grad, *s_params, *s_size, *s_stride, *s_nbytes;
 } mstate;
@@ -149,8 +154,8 @@ static int device_error(mstate *st, const char *op, const char *arg, Py_ssize_t 
     }
     if (cuda)
         PyErr_Format(PyExc_ValueError,
-                     "%s: %s[%zd] is on %S, but ampx's CUDA kernels are not available in this "
-                     "build; use CPU tensors",
+                     "%s: %s[%zd] is on %S, but this call runs on the CPU (the device of its first "
+                     "tensor); the tensors of one call must all be on one device",
                      op, arg, i, dev);
     else
         PyErr_Format(PyExc_ValueError, "%s: %s[%zd] is on device %S; ampx works on CPU and CUDA tensors",
@@ -192,6 +197,9 @@ static int layout_error(mstate *st, const char *op, const char *arg, Py_ssize_t 
     return bad ? -1 : 0;
 }
 
+static int tensor_shape(mstate *st, const char *op, const char *arg, Py_ssize_t i, PyObject *t, int64_t es,
+                        int64_t *numel, int *contig);
+
 /* Checks that tensor t (of element size es) is on the CPU; reads its numel and contiguity.
  * A tensor without strides (sparse, ...) is refused with a ValueError. */
 static int tensor_meta(mstate *st, const char *op, const char *arg, Py_ssize_t i, PyObject *t,
@@ -206,6 +214,15 @@ static int tensor_meta(mstate *st, const char *op, const char *arg, Py_ssize_t i
         return -1;
     if (!cpu)
         return device_error(st, op, arg, i, t);
+    return tensor_shape(st, op, arg, i, t, es, numel, contig);
+}
+
+/* The numel and contiguity of tensor t (of element size es), whatever its
+ * device. A tensor without strides (sparse, ...) is refused with a ValueError. */
+static int tensor_shape(mstate *st, const char *op, const char *arg, Py_ssize_t i, PyObject *t, int64_t es,
+                        int64_t *numel, int *contig)
+{
+    PyObject *r;
     /* nbytes (a getset) is numel() * element size and cheaper to read than
      * numel(); sparse tensors refuse it, and are refused here by layout. */
     if ((r = hot_attr(st, A_NBYTES, t)) == NULL) {
@@ -230,6 +247,76 @@ static int tensor_meta(mstate *st, const char *op, const char *arg, Py_ssize_t i
     if (!*contig) /* the slow path: rule out sparse COO, which reports False */
         return layout_error(st, op, arg, i, t, 0);
     return 0;
+}
+
+/* ---- the CUDA path: devices ------------------------------------------------ */
+
+/* Fetches TensorBase.is_cuda and its getter on first use (the CUDA path's
+ * hot attribute, read as the CPU path reads is_cpu). */
+static int cuda_attrs(mstate *st)
+{
+    if (st->descr_is_cuda != NULL)
+        return 0;
+    PyObject *d = PyObject_GetAttrString(st->tensor_type, "is_cuda");
+    if (d == NULL)
+        return -1;
+    st->getter_is_cuda = (descrgetfunc)PyType_GetSlot(Py_TYPE(d), Py_tp_descr_get);
+    if (st->getter_is_cuda == NULL)
+        PyErr_Clear(); /* Python 3.9: read the attribute by name */
+    st->descr_is_cuda = d;
+    return 0;
+}
+
+/* The CUDA device index of tensor t, or -1 when t is not a CUDA tensor. */
+static int cuda_device_of(mstate *st, PyObject *t, int *index)
+{
+    PyObject *r = st->getter_is_cuda != NULL
+                      ? st->getter_is_cuda(st->descr_is_cuda, t, (PyObject *)Py_TYPE(t))
+                      : PyObject_GetAttr(t, st->s_is_cuda);
+    if (r == NULL)
+        return -1;
+    int cuda = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (cuda < 0)
+        return -1;
+    if (!cuda) {
+        *index = -1;
+        return 0;
+    }
+    int64_t v = 0;
+    if (get_int64(t, st->s_get_device, &v) < 0)
+        return -1;
+    *index = (int)v;
+    return 0;
+}
+
+/* Raises the ValueError for a tensor that is not on CUDA device `device`. */
+static int cuda_device_error(mstate *st, const char *op, const char *what, PyObject *t, int device)
+{
+    PyObject *dev = PyObject_GetAttr(t, st->s_device);
+    if (dev == NULL)
+        return -1;
+    PyErr_Format(PyExc_ValueError,
+                 "%s: %s is on %S, but this call runs on cuda:%d (the device of its first tensor); "
+                 "all the tensors of one call must be on one device",
+                 op, what, dev, device);
+    Py_DECREF(dev);
+    return -1;
+}
+
+/* tensor_meta for a call on CUDA device `device`. */
+static int tensor_meta_cuda(mstate *st, const char *op, const char *arg, Py_ssize_t i, PyObject *t,
+                            int64_t es, int device, int64_t *numel, int *contig)
+{
+    int idx = -1;
+    if (cuda_device_of(st, t, &idx) < 0)
+        return -1;
+    if (idx != device) {
+        char what[64];
+        snprintf(what, sizeof what, "%s[%zd]", arg, i);
+        return cuda_device_error(st, op, what, t, device);
+    }
+    return tensor_shape(st, op, arg, i, t, es, numel, contig);
 }
 
 /* Validates a small auxiliary tensor (scale, found_inf, outputs) and returns
@@ -415,12 +502,13 @@ static void tlist_free(tlist *L)
     memset(L, 0, sizeof *L);
 }
 
-/* Reads every tensor of seq (a list or tuple) into L. For a list that will
- * be written (`write`), a non-contiguous tensor must not overlap itself; its
- * copy is made later, when it is processed. For a read-only list the copy
- * is made here. On error L is freed and an exception is set. */
+/* Reads every tensor of seq (a list or tuple) into L: CPU tensors (device
+ * -1), or tensors of CUDA device `device`. For a list that will be written
+ * (`write`), a non-contiguous tensor must not overlap itself; its copy is
+ * made later, when it is processed. For a read-only list the copy is made
+ * here. On error L is freed and an exception is set. */
 static int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *seq, int write,
-                        int refuse_fp16, tlist *L)
+                        int refuse_fp16, int device, tlist *L)
 {
     memset(L, 0, sizeof *L);
     if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
@@ -472,7 +560,8 @@ static int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *s
         }
         if ((d->dtype = dtype_code(st, op, arg, i, t)) < 0)
             goto error;
-        if (tensor_meta(st, op, arg, i, t, elem_size[d->dtype], &d->numel, &contig) < 0)
+        if (device < 0 ? tensor_meta(st, op, arg, i, t, elem_size[d->dtype], &d->numel, &contig)
+                       : tensor_meta_cuda(st, op, arg, i, t, elem_size[d->dtype], device, &d->numel, &contig))
             goto error;
         if (refuse_fp16 && d->dtype == AMPX_F16) {
             /* torch.amp.GradScaler's own words, for drop-in compatibility. */
@@ -638,7 +727,7 @@ static PyObject *py_scale_reduce(PyObject *module, PyObject *args)
     }
     const int write = mode & AMPX_M_WRITE, reduce = AMPX_MODE_REDUCE(mode);
     tlist L;
-    if (tlist_gather(st, op, "tensors", seq, write, refuse_fp16, &L) < 0)
+    if (tlist_gather(st, op, "tensors", seq, write, refuse_fp16, -1, &L) < 0)
         return NULL;
 
     PyObject *result = NULL;
@@ -722,9 +811,9 @@ static PyObject *py_cast(PyObject *module, PyObject *args)
     if (require_init(st) < 0)
         return NULL;
     tlist S, D;
-    if (tlist_gather(st, op, "src", src_o, 0, 0, &S) < 0)
+    if (tlist_gather(st, op, "src", src_o, 0, 0, -1, &S) < 0)
         return NULL;
-    if (tlist_gather(st, op, "dst", dst_o, 1, 0, &D) < 0) {
+    if (tlist_gather(st, op, "dst", dst_o, 1, 0, -1, &D) < 0) {
         tlist_free(&S);
         return NULL;
     }
@@ -855,6 +944,519 @@ static PyObject *py_update_scale(PyObject *module, PyObject *args)
                                growth, backoff, (int64_t)interval, (int32_t)hysteresis, consecutive,
                                (float)min_scale, (float)max_scale);
     return PyLong_FromLong(ev);
+}
+
+/* ==== the CUDA path ==========================================================
+ *
+ * The same validation as the CPU entry points (tlist_gather with a device),
+ * then the multi-tensor launcher of cuda_launch.c on the caller's stream. The
+ * Python layer (ampx/ops.py, ampx/cuda.py) passes the device index of the
+ * first tensor, the current torch stream of that device, and a callable that
+ * allocates workspace bytes with torch's caching allocator on that device. */
+
+static PyObject *cu_raise(const char *op, const ampx_cu_error *err)
+{
+    PyErr_Format(PyExc_RuntimeError, "%s: %s", op, err->msg);
+    return NULL;
+}
+
+/* aux_ptr for a call on CUDA device `device`. */
+static int aux_ptr_cuda(mstate *st, const char *op, const char *name, PyObject *o, PyObject *dtype,
+                        int64_t numel, int device, ampx_cu_deviceptr *ptr)
+{
+    *ptr = 0;
+    if (!PyObject_TypeCheck(o, (PyTypeObject *)st->tensor_type)) {
+        PyErr_Format(PyExc_TypeError, "%s: %s must be a torch.Tensor, not %R", op, name,
+                     (PyObject *)Py_TYPE(o));
+        return -1;
+    }
+    PyObject *dt = PyObject_GetAttr(o, st->s_dtype);
+    if (dt == NULL)
+        return -1;
+    if (dt != dtype) {
+        PyErr_Format(PyExc_TypeError, "%s: %s must have dtype %S, not %S", op, name, dtype, dt);
+        Py_DECREF(dt);
+        return -1;
+    }
+    Py_DECREF(dt);
+    int idx = -1;
+    if (cuda_device_of(st, o, &idx) < 0)
+        return -1;
+    if (idx != device)
+        return cuda_device_error(st, op, name, o, device);
+    int64_t n = 0;
+    if (get_int64(o, st->s_numel, &n) < 0)
+        return -1;
+    if (n != numel) {
+        PyErr_Format(PyExc_ValueError, "%s: %s must have %lld element(s), not %lld", op, name,
+                     (long long)numel, (long long)n);
+        return -1;
+    }
+    PyObject *r = call0(o, st->s_is_contiguous);
+    if (r == NULL)
+        return -1;
+    int contig = r == Py_True;
+    Py_DECREF(r);
+    if (!contig) {
+        PyErr_Format(PyExc_ValueError, "%s: %s must be contiguous", op, name);
+        return -1;
+    }
+    char *p = NULL;
+    if (numel > 0 && get_data_ptr(st, o, &p) < 0)
+        return -1;
+    *ptr = (ampx_cu_deviceptr)(uintptr_t)p;
+    return 0;
+}
+
+static int opt_aux_cuda(mstate *st, const char *op, const char *name, PyObject *o, PyObject *dtype,
+                        int64_t numel, int device, ampx_cu_deviceptr *ptr)
+{
+    *ptr = 0;
+    if (o == Py_None)
+        return 0;
+    return aux_ptr_cuda(st, op, name, o, dtype, numel, device, ptr);
+}
+
+/* A factor for a CUDA call: None -> 1.0; a Python number; a 1-element
+ * float32 tensor on the call's device (read by the kernels on the device, so
+ * nothing waits); or a 1-element float32 CPU tensor (its value, read now). */
+static int parse_factor_cuda(mstate *st, const char *op, const char *name, PyObject *o, int device,
+                             double *val, ampx_cu_deviceptr *ptr)
+{
+    *val = 1.0;
+    *ptr = 0;
+    if (o == Py_None || PyFloat_Check(o) || PyLong_Check(o))
+        return parse_factor(st, op, name, o, val);
+    if (PyObject_TypeCheck(o, (PyTypeObject *)st->tensor_type)) {
+        int cpu = 0;
+        if (get_bool_attr(o, st->s_is_cpu, &cpu) < 0)
+            return -1;
+        if (cpu)
+            return parse_factor(st, op, name, o, val);
+    }
+    return aux_ptr_cuda(st, op, name, o, st->dtypes[AMPX_F32], 1, device, ptr);
+}
+
+/* Calls alloc(bytes) (a torch.empty on the device) and keeps the tensor. */
+static int cuda_workspace(mstate *st, const char *op, PyObject *alloc, int64_t bytes, PyObject **keep,
+                          ampx_cu_deviceptr *ptr)
+{
+    *keep = NULL;
+    *ptr = 0;
+    if (bytes == 0)
+        return 0;
+    PyObject *n = PyLong_FromLongLong((long long)bytes);
+    if (n == NULL)
+        return -1;
+    PyObject *t = PyObject_CallFunctionObjArgs(alloc, n, NULL);
+    Py_DECREF(n);
+    if (t == NULL)
+        return -1;
+    char *p = NULL;
+    if (get_data_ptr(st, t, &p) < 0) {
+        Py_DECREF(t);
+        return -1;
+    }
+    if (((uintptr_t)p & 15u) != 0) {
+        Py_DECREF(t);
+        PyErr_Format(PyExc_RuntimeError, "%s: the workspace allocation is not 16-byte aligned", op);
+        return -1;
+    }
+    *keep = t;
+    *ptr = (ampx_cu_deviceptr)(uintptr_t)p;
+    return 0;
+}
+
+/* The launcher's view of a gathered list. */
+static ampx_cu_tensor *cuda_tensors(const tlist *L)
+{
+    ampx_cu_tensor *c = (ampx_cu_tensor *)calloc(L->n > 0 ? (size_t)L->n : 1u, sizeof *c);
+    if (c == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < L->n; i++) {
+        c[i].ptr = (ampx_cu_deviceptr)(uintptr_t)L->ts[i].ptr;
+        c[i].src = (ampx_cu_deviceptr)(uintptr_t)L->ts[i].src;
+        c[i].numel = L->ts[i].numel;
+        c[i].dtype = L->ts[i].dtype;
+        c[i].src_dtype = L->ts[i].src_dtype;
+        c[i].index = L->ts[i].index;
+    }
+    return c;
+}
+
+/* Every tensor in list order through one launcher, the GIL released. */
+static int cuda_run_batched(const char *op, const ampx_cu_dev *dev, unsigned long long stream,
+                            const ampx_cu_job *job, const ampx_cu_tensor *cts, Py_ssize_t n, int64_t chunks,
+                            ampx_cu_deviceptr ws)
+{
+    ampx_cu_launcher *Lc = (ampx_cu_launcher *)malloc(sizeof *Lc);
+    if (Lc == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    ampx_cu_error err;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ampx_cu_begin(Lc, dev, (ampx_cu_stream)(uintptr_t)stream, job, (int64_t)n, chunks, ws, &err);
+    for (Py_ssize_t i = 0; i < n && rc == 0; i++)
+        rc = ampx_cu_add(Lc, &cts[i], &err);
+    if (rc == 0)
+        rc = ampx_cu_flush(Lc, &err);
+    Py_END_ALLOW_THREADS
+    free(Lc);
+    if (rc < 0) {
+        cu_raise(op, &err);
+        return -1;
+    }
+    return 0;
+}
+
+/* cuda_scale_reduce(op, tensors, mode, factor, found_inf, flags, per_tensor, out, device, stream,
+ *                   alloc[, refuse_fp16, factor_name])
+ *
+ * scale_reduce on the tensors of CUDA device `device`, on `stream`. */
+static PyObject *py_cuda_scale_reduce(PyObject *module, PyObject *args)
+{
+    mstate *st = get_state(module);
+    const char *op;
+    PyObject *seq, *factor_o, *found_o, *flags_o, *per_o, *out_o, *alloc;
+    int mode, device, refuse_fp16 = 0;
+    unsigned long long stream;
+    const char *factor_name = "factor";
+    if (!PyArg_ParseTuple(args, "sOiOOOOOiKO|ps:cuda_scale_reduce", &op, &seq, &mode, &factor_o, &found_o,
+                          &flags_o, &per_o, &out_o, &device, &stream, &alloc, &refuse_fp16, &factor_name))
+        return NULL;
+    if (require_init(st) < 0 || cuda_attrs(st) < 0)
+        return NULL;
+    if (mode < 0 || mode >= AMPX_NUM_MODES || ampx_cpu_active->scale[AMPX_F32][mode] == NULL) {
+        PyErr_Format(PyExc_ValueError, "%s: no kernel for mode %d", op, mode);
+        return NULL;
+    }
+    const int write = mode & AMPX_M_WRITE, reduce = AMPX_MODE_REDUCE(mode);
+    tlist L;
+    if (tlist_gather(st, op, "tensors", seq, write, refuse_fp16, device, &L) < 0)
+        return NULL;
+
+    PyObject *result = NULL, *ws_keep = NULL;
+    span_t *spans = NULL;
+    ampx_cu_tensor *cts = NULL;
+    ampx_cu_launcher *Lc = NULL;
+    ampx_cu_job job;
+    memset(&job, 0, sizeof job);
+    job.kind = AMPX_CU_SCALE;
+    job.reduce = reduce;
+    job.write = write ? 1 : 0;
+    job.scale = (mode & AMPX_M_SCALE) ? 1 : 0;
+    if (parse_factor_cuda(st, op, factor_name, factor_o, device, &job.factor, &job.factor_ptr) < 0 ||
+        opt_aux_cuda(st, op, "found_inf", found_o, st->dtypes[AMPX_F32], 1, device, &job.found_inf) < 0 ||
+        opt_aux_cuda(st, op, "flags", flags_o, st->dtype_u8, L.n, device, &job.flags_out) < 0 ||
+        opt_aux_cuda(st, op, "per_tensor", per_o, st->dtypes[AMPX_F32], L.n, device, &job.per_out) < 0 ||
+        opt_aux_cuda(st, op, "out", out_o, st->dtypes[AMPX_F32], 1, device, &job.total_out) < 0)
+        goto done;
+    if (!(mode & AMPX_M_CHECK))
+        job.found_inf = job.flags_out = 0;
+
+    /* As on the CPU: written tensors that share memory, or that need a
+     * contiguous copy, are processed one launch each, in list order. */
+    int sequential = write && L.any_nc;
+    if (write && !sequential && L.n > 1) {
+        spans = (span_t *)malloc((size_t)L.n * sizeof *spans);
+        if (spans == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        span_t x, y;
+        sequential = find_overlap(spans, add_spans(&L, spans), &x, &y);
+    }
+    ampx_cu_error err;
+    const ampx_cu_dev *dev = ampx_cu_device_get(device, &err);
+    if (dev == NULL) {
+        cu_raise(op, &err);
+        goto done;
+    }
+    if ((cts = cuda_tensors(&L)) == NULL)
+        goto done;
+    int64_t chunks = 0;
+    int64_t bytes = ampx_cu_workspace_bytes(&job, cts, L.n, &chunks);
+    if (bytes < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: too many elements for one call", op);
+        goto done;
+    }
+    ampx_cu_deviceptr ws = 0;
+    if (cuda_workspace(st, op, alloc, bytes, &ws_keep, &ws) < 0)
+        goto done;
+    if (!sequential) {
+        if (cuda_run_batched(op, dev, stream, &job, cts, L.n, chunks, ws) < 0)
+            goto done;
+    } else {
+        if ((Lc = (ampx_cu_launcher *)malloc(sizeof *Lc)) == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        if (ampx_cu_begin(Lc, dev, (ampx_cu_stream)(uintptr_t)stream, &job, L.n, chunks, ws, &err) < 0) {
+            cu_raise(op, &err);
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < L.n; i++) {
+            PyObject *t = seq_item(L.seq, i), *c = NULL;
+            if (L.nc[i]) {
+                char *p = NULL;
+                if ((c = call0(t, st->s_contiguous)) == NULL)
+                    goto done;
+                if (get_data_ptr(st, c, &p) < 0) {
+                    Py_DECREF(c);
+                    goto done;
+                }
+                cts[i].ptr = (ampx_cu_deviceptr)(uintptr_t)p;
+            }
+            if (ampx_cu_add(Lc, &cts[i], &err) < 0 || ampx_cu_flush(Lc, &err) < 0) {
+                Py_XDECREF(c);
+                cu_raise(op, &err);
+                goto done;
+            }
+            if (c != NULL) {
+                PyObject *r = PyObject_CallMethodObjArgs(t, st->s_copy_, c, NULL);
+                Py_DECREF(c);
+                if (r == NULL)
+                    goto done;
+                Py_DECREF(r);
+            }
+        }
+    }
+    result = new_ref(Py_None);
+done:
+    free(Lc);
+    free(cts);
+    free(spans);
+    Py_XDECREF(ws_keep);
+    tlist_free(&L);
+    return result;
+}
+
+/* cuda_cast(op, src, dst, factor, found_inf, flags, stochastic, seed, offset, device, stream, alloc) */
+static PyObject *py_cuda_cast(PyObject *module, PyObject *args)
+{
+    mstate *st = get_state(module);
+    const char *op;
+    PyObject *src_o, *dst_o, *factor_o, *found_o, *flags_o, *alloc;
+    int stochastic, device;
+    unsigned long long seed, offset, stream;
+    if (!PyArg_ParseTuple(args, "sOOOOOpKKiKO:cuda_cast", &op, &src_o, &dst_o, &factor_o, &found_o, &flags_o,
+                          &stochastic, &seed, &offset, &device, &stream, &alloc))
+        return NULL;
+    if (require_init(st) < 0 || cuda_attrs(st) < 0)
+        return NULL;
+    tlist S, D;
+    if (tlist_gather(st, op, "src", src_o, 0, 0, device, &S) < 0)
+        return NULL;
+    if (tlist_gather(st, op, "dst", dst_o, 1, 0, device, &D) < 0) {
+        tlist_free(&S);
+        return NULL;
+    }
+    PyObject *result = NULL, *ws_keep = NULL;
+    span_t *spans = NULL;
+    ampx_cu_tensor *cts = NULL;
+    ampx_cu_job job;
+    memset(&job, 0, sizeof job);
+    job.kind = AMPX_CU_CAST;
+    job.stochastic = stochastic;
+    job.seed = (uint64_t)seed;
+    job.offset = (uint64_t)offset;
+    if (S.n != D.n) {
+        PyErr_Format(PyExc_ValueError, "%s: src has %zd tensors but dst has %zd", op, S.n, D.n);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < S.n; i++) {
+        if (S.ts[i].numel != D.ts[i].numel) {
+            PyErr_Format(PyExc_ValueError, "%s: src[%zd] has %lld elements but dst[%zd] has %lld", op, i,
+                         (long long)S.ts[i].numel, i, (long long)D.ts[i].numel);
+            goto done;
+        }
+        if (stochastic && D.ts[i].dtype != AMPX_BF16) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: stochastic rounding writes bfloat16, but dst[%zd] has dtype torch.%s", op, i,
+                         dtype_names[D.ts[i].dtype]);
+            goto done;
+        }
+    }
+    if (parse_factor_cuda(st, op, "inv_scale", factor_o, device, &job.factor, &job.factor_ptr) < 0 ||
+        opt_aux_cuda(st, op, "found_inf", found_o, st->dtypes[AMPX_F32], 1, device, &job.found_inf) < 0 ||
+        opt_aux_cuda(st, op, "flags", flags_o, st->dtype_u8, S.n, device, &job.flags_out) < 0)
+        goto done;
+
+    /* Non-contiguous destinations are written through contiguous copies. */
+    for (Py_ssize_t i = 0; i < D.n; i++) {
+        if (!D.nc[i])
+            continue;
+        if ((D.tmp[i] = call0(seq_item(D.seq, i), st->s_contiguous)) == NULL)
+            goto done;
+        if (get_data_ptr(st, D.tmp[i], &D.ts[i].ptr) < 0)
+            goto done;
+    }
+    /* The sharing rules of the CPU path: a destination may only alias its
+     * own source exactly. */
+    spans = (span_t *)malloc((size_t)(2 * S.n + 1) * sizeof *spans);
+    if (spans == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < S.n; i++) {
+        S.ts[i].src = S.ts[i].ptr;
+        S.ts[i].src_dtype = S.ts[i].dtype;
+        S.ts[i].ptr = D.ts[i].ptr;
+        S.ts[i].dtype = D.ts[i].dtype;
+    }
+    Py_ssize_t m = 0;
+    for (Py_ssize_t i = 0; i < S.n; i++) {
+        if (S.ts[i].numel == 0)
+            continue;
+        int exact_alias = S.lo[i] == D.lo[i] && S.hi[i] == D.hi[i] && S.nc[i] == D.nc[i] &&
+                          S.layout[i] == D.layout[i] && S.ts[i].src_dtype == S.ts[i].dtype;
+        spans[m].lo = D.lo[i];
+        spans[m].hi = D.hi[i];
+        spans[m].idx = i;
+        spans[m].written = 1;
+        m++;
+        if (exact_alias)
+            continue;
+        spans[m].lo = S.lo[i];
+        spans[m].hi = S.hi[i];
+        spans[m].idx = i;
+        spans[m].written = 0;
+        m++;
+    }
+    span_t x, y;
+    if (find_overlap(spans, m, &x, &y)) {
+        PyErr_Format(PyExc_ValueError, "%s: %s[%zd] and %s[%zd] (may) share memory; a cast needs distinct "
+                     "destinations (or a destination that is exactly its own source)",
+                     op, x.written ? "dst" : "src", x.idx, y.written ? "dst" : "src", y.idx);
+        goto done;
+    }
+    ampx_cu_error err;
+    const ampx_cu_dev *dev = ampx_cu_device_get(device, &err);
+    if (dev == NULL) {
+        cu_raise(op, &err);
+        goto done;
+    }
+    if ((cts = cuda_tensors(&S)) == NULL)
+        goto done;
+    int64_t chunks = 0;
+    int64_t bytes = ampx_cu_workspace_bytes(&job, cts, S.n, &chunks);
+    if (bytes < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: too many elements for one call", op);
+        goto done;
+    }
+    ampx_cu_deviceptr ws = 0;
+    if (cuda_workspace(st, op, alloc, bytes, &ws_keep, &ws) < 0)
+        goto done;
+    if (cuda_run_batched(op, dev, stream, &job, cts, S.n, chunks, ws) < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < D.n; i++) {
+        if (D.tmp[i] == NULL)
+            continue;
+        PyObject *r = PyObject_CallMethodObjArgs(seq_item(D.seq, i), st->s_copy_, D.tmp[i], NULL);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+    }
+    result = new_ref(Py_None);
+done:
+    free(cts);
+    free(spans);
+    Py_XDECREF(ws_keep);
+    tlist_free(&S);
+    tlist_free(&D);
+    return result;
+}
+
+/* cuda_update_scale(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
+ *                   backoff_factor, growth_interval, hysteresis, consecutive, min_scale,
+ *                   max_scale, events, device, stream)
+ * The update as a one-thread kernel: reads and writes the device tensors on
+ * the stream; the events land in `events` (an int32 device tensor, or None). */
+static PyObject *py_cuda_update_scale(PyObject *module, PyObject *args)
+{
+    mstate *st = get_state(module);
+    const char *op = "ampx.ops.update_scale_";
+    PyObject *scale_o, *tracker_o, *hyst_o, *found_o, *events_o;
+    double growth, backoff, min_scale, max_scale;
+    long long interval;
+    int hysteresis, consecutive, device;
+    unsigned long long stream;
+    if (!PyArg_ParseTuple(args, "OOOOddLipddOiK:cuda_update_scale", &scale_o, &tracker_o, &hyst_o, &found_o,
+                          &growth, &backoff, &interval, &hysteresis, &consecutive, &min_scale, &max_scale,
+                          &events_o, &device, &stream))
+        return NULL;
+    if (require_init(st) < 0 || cuda_attrs(st) < 0)
+        return NULL;
+    ampx_cu_update_args a;
+    memset(&a, 0, sizeof a);
+    if (aux_ptr_cuda(st, op, "scale", scale_o, st->dtypes[AMPX_F32], 1, device, &a.scale) < 0 ||
+        aux_ptr_cuda(st, op, "growth_tracker", tracker_o, st->dtype_i32, 1, device, &a.growth_tracker) < 0 ||
+        opt_aux_cuda(st, op, "hysteresis_tracker", hyst_o, st->dtype_i32, 1, device, &a.hysteresis) < 0 ||
+        aux_ptr_cuda(st, op, "found_inf", found_o, st->dtypes[AMPX_F32], 1, device, &a.found_inf) < 0 ||
+        opt_aux_cuda(st, op, "events", events_o, st->dtype_i32, 1, device, &a.events) < 0)
+        return NULL;
+    a.growth_factor = growth;
+    a.backoff_factor = backoff;
+    a.growth_interval = (int64_t)interval;
+    a.hysteresis_max = (int32_t)hysteresis;
+    a.consecutive = consecutive;
+    a.min_scale = (float)min_scale;
+    a.max_scale = (float)max_scale;
+    ampx_cu_error err;
+    const ampx_cu_dev *dev = ampx_cu_device_get(device, &err);
+    if (dev == NULL)
+        return cu_raise(op, &err);
+    if (ampx_cu_update(dev, (ampx_cu_stream)(uintptr_t)stream, &a, &err) < 0)
+        return cu_raise(op, &err);
+    Py_RETURN_NONE;
+}
+
+/* cuda_set_image(bytes): the fatbin (read by ampx.cuda); the first one stays. */
+static PyObject *py_cuda_set_image(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    char *data = NULL;
+    Py_ssize_t size = 0;
+    if (PyBytes_AsStringAndSize(arg, &data, &size) < 0)
+        return NULL;
+    if (size <= 0) {
+        PyErr_SetString(PyExc_ValueError, "cuda_set_image: the fatbin is empty");
+        return NULL;
+    }
+    if (ampx_cu_set_image(data, (size_t)size) < 0)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* cuda_probe(device) -> None when device can run ampx's kernels, else the reason (str). */
+static PyObject *py_cuda_probe(PyObject *module, PyObject *args)
+{
+    (void)module;
+    int device;
+    if (!PyArg_ParseTuple(args, "i:cuda_probe", &device))
+        return NULL;
+    ampx_cu_error err;
+    if (ampx_cu_probe(device, &err) < 0)
+        return PyUnicode_FromString(err.msg);
+    Py_RETURN_NONE;
+}
+
+/* cuda_device_info(device) -> (cc_major, cc_minor, multiprocessors, driver_version); loads the kernels. */
+static PyObject *py_cuda_device_info(PyObject *module, PyObject *args)
+{
+    (void)module;
+    int device;
+    if (!PyArg_ParseTuple(args, "i:cuda_device_info", &device))
+        return NULL;
+    ampx_cu_error err;
+    const ampx_cu_dev *dev = ampx_cu_device_get(device, &err);
+    if (dev == NULL)
+        return cu_raise("ampx.cuda", &err);
+    return Py_BuildValue("(iiii)", dev->cc_major, dev->cc_minor, dev->sm_count, ampx_cu_driver_version());
 }
 
 /* _init(torch.Tensor, float32, float16, bfloat16, float64, uint8, int32, torch.strided,
@@ -1035,6 +1637,13 @@ static PyMethodDef methods[] = {
     {"scale_reduce", py_scale_reduce, METH_VARARGS, "Scale / check / reduce kernel over a tensor list."},
     {"cast", py_cast, METH_VARARGS, "Cast kernel between two tensor lists."},
     {"update_scale", py_update_scale, METH_VARARGS, "One loss-scale update on CPU tensors."},
+    {"cuda_scale_reduce", py_cuda_scale_reduce, METH_VARARGS, "scale_reduce on CUDA tensors."},
+    {"cuda_cast", py_cuda_cast, METH_VARARGS, "cast on CUDA tensors."},
+    {"cuda_update_scale", py_cuda_update_scale, METH_VARARGS, "One loss-scale update as a CUDA kernel."},
+    {"cuda_set_image", py_cuda_set_image, METH_O, "Hands the CUDA kernels' fatbin to the extension."},
+    {"cuda_probe", py_cuda_probe, METH_VARARGS, "None if a CUDA device can run ampx's kernels, else why not."},
+    {"cuda_device_info", py_cuda_device_info, METH_VARARGS,
+     "(cc major, cc minor, multiprocessors, driver version) of a CUDA device; loads the kernels."},
     {"collect_grads", py_collect_grads, METH_O, "(params, grads) of param_groups whose grad is set."},
     {"simd", py_simd, METH_NOARGS, "Name of the SIMD level in use."},
     {"simd_levels", py_simd_levels, METH_NOARGS, "SIMD levels this processor supports, best first."},
@@ -1060,7 +1669,7 @@ static int exec_module(PyObject *m)
         intern(&st->s_contiguous, "contiguous") < 0 || intern(&st->s_copy_, "copy_") < 0 ||
         intern(&st->s_grad, "grad") < 0 || intern(&st->s_params, "params") < 0 ||
         intern(&st->s_size, "size") < 0 || intern(&st->s_stride, "stride") < 0 ||
-        intern(&st->s_nbytes, "nbytes") < 0)
+        intern(&st->s_nbytes, "nbytes") < 0 || intern(&st->s_get_device, "get_device") < 0)
         return -1;
     st->layout_error = PyErr_NewExceptionWithDoc(
         "ampx._C.LayoutError",
@@ -1086,7 +1695,10 @@ static int exec_module(PyObject *m)
         PyModule_AddIntConstant(m, "UPD_BACKOFF", AMPX_UPD_BACKOFF) < 0 ||
         PyModule_AddIntConstant(m, "UPD_GROWTH", AMPX_UPD_GROWTH) < 0 ||
         PyModule_AddIntConstant(m, "UPD_HYSTERESIS", AMPX_UPD_HYSTERESIS) < 0 ||
-        PyModule_AddIntConstant(m, "UPD_AT_MIN", AMPX_UPD_AT_MIN) < 0)
+        PyModule_AddIntConstant(m, "UPD_AT_MIN", AMPX_UPD_AT_MIN) < 0 ||
+        PyModule_AddIntConstant(m, "CUDA_CHUNK", (long)AMPX_CU_CHUNK) < 0 ||
+        PyModule_AddIntConstant(m, "CUDA_BLOCK", (long)AMPX_CU_BLOCK) < 0 ||
+        PyModule_AddIntConstant(m, "CUDA_MAX_TENSORS", (long)AMPX_CU_MAX_TENSORS) < 0)
         return -1;
     return 0;
 }
@@ -1094,7 +1706,8 @@ static int exec_module(PyObject *m)
 #define STATE_OBJECTS(X)                                                                                   \
     X(tensor_type) X(dtypes[0]) X(dtypes[1]) X(dtypes[2]) X(dtypes[3]) X(dtype_u8) X(dtype_i32)            \
         X(strided) X(layout_error) X(s_dtype) X(s_is_cpu) X(s_is_cuda) X(s_device) X(s_layout) X(s_numel)         \
-            X(s_is_contiguous) X(s_data_ptr) X(s_contiguous) X(s_copy_) X(s_grad) X(s_params) X(s_size) X(s_stride) X(s_nbytes) X(descr[0]) X(descr[1]) X(descr[2])
+            X(s_is_contiguous) X(s_data_ptr) X(s_contiguous) X(s_copy_) X(s_grad) X(s_params) X(s_size) X(s_stride) X(s_nbytes) X(descr[0]) X(descr[1]) X(descr[2]) \
+                X(descr_is_cuda) X(s_get_device)
 
 static int m_traverse(PyObject *m, visitproc visit, void *arg)
 {

@@ -1,0 +1,335 @@
+#!/usr/bin/env python3
+"""ampx's CUDA kernels against torch's, on one GPU (driven by benchmarks/gpu_check.sh).
+
+Measures, with CUDA events after a warm-up, the median of repeats:
+  * the bandwidth ceiling: a device-to-device copy (and an in-place x.mul_(1.0));
+  * unscale_, norm and unscale_norm_ on 1 billion float32 elements (and bfloat16), ampx vs
+    torch._amp_foreach_non_finite_check_and_unscale_ / torch._foreach_norm;
+  * the same on 10,000 small tensors (host-bound: wall and event times, plus both replayed from
+    a CUDA graph, which shows the GPU time alone);
+  * a full scaler step: unscale + inf check, clip to max_norm, fused AdamW step, scale update;
+    ampx (norm of the unscaled grads in one read-only pass, clip folded into the fused step's
+    grad_scale, update kernel) vs torch (GradScaler.unscale_, clip_grad_norm_, GradScaler.step,
+    update), on many small parameters and on a few large ones; the bare fused step too.
+Prints every number as it goes and a table at the end; --json writes them all.
+
+Targets (H200): unscale_norm_ >= 90% of the copy ceiling; full scaler step >= 2.5x torch's.
+"""
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+import ampx
+from ampx import ops
+
+RESULTS = []
+ROWS = []
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def bench(fn, reps=15, inner=1, warmup=3):
+    """(median event ms, min event ms, median wall ms) per call of fn."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ev, wall = [], []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        s.record()
+        for _ in range(inner):
+            fn()
+        e.record()
+        e.synchronize()
+        wall.append((time.perf_counter() - t0) * 1e3 / inner)
+        ev.append(s.elapsed_time(e) / inner)
+    return statistics.median(ev), min(ev), statistics.median(wall)
+
+
+def graph_of(fn, warmup=2):
+    """fn captured into a CUDA graph (warmed up on a side stream first); returns replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def record(section, name, ms, nbytes=None, ceiling=None, extra=None):
+    r = {"section": section, "name": name, "ms": ms}
+    if nbytes:
+        r["GB/s"] = nbytes / ms / 1e6
+        if ceiling:
+            r["of_copy"] = r["GB/s"] / ceiling
+    if extra:
+        r.update(extra)
+    RESULTS.append(r)
+    bw = f"  {r['GB/s']:8.1f} GB/s" if nbytes else ""
+    frac = f"  {100 * r['of_copy']:5.1f}% of copy" if "of_copy" in r else ""
+    log(f"  {section:<22} {name:<44} {ms:9.3f} ms{bw}{frac}")
+    return r
+
+
+def row(what, ampx_ms, torch_ms, note=""):
+    ROWS.append((what, ampx_ms, torch_ms, note))
+
+
+def section(title):
+    log("")
+    log(f"--- {title}")
+
+
+def guarded(fn):
+    try:
+        fn()
+    except Exception:  # one shot: report and go on
+        log("!!! section failed:")
+        traceback.print_exc(file=sys.stdout)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the section's tensors are gone with its frame
+
+
+# ---------------------------------------------------------------------------------------------
+
+def ceiling(n):
+    section(f"bandwidth ceiling: device-to-device copy of {n:,} float32")
+    x = torch.randn(n, device="cuda")
+    y = torch.empty_like(x)
+    ms, mn, _ = bench(lambda: y.copy_(x))
+    copy = record("ceiling", "copy (read + write)", ms, 8 * n)
+    record("ceiling", "copy, best repeat", mn, 8 * n)
+    ms, _, _ = bench(lambda: x.mul_(1.0))
+    record("ceiling", "in-place x.mul_(1.0)", ms, 8 * n)
+    ms, _, _ = bench(lambda: x.sum())
+    record("ceiling", "x.sum() (read only)", ms, 4 * n)
+    return copy["GB/s"]
+
+
+def large(n, copy_gbs, dtype=torch.float32):
+    tag = "f32" if dtype == torch.float32 else "bf16"
+    section(f"one tensor of {n:,} {tag}")
+    es = torch.empty(0, dtype=dtype).element_size()
+    x = torch.randn(n, device="cuda").to(dtype)
+    inv = torch.ones(1, device="cuda")  # multiplying by 1.0 leaves the data as it is
+    found = torch.zeros(1, device="cuda")
+    a_un, _, _ = bench(lambda: ops.unscale_([x], inv, found))
+    record(f"large {tag}", "ampx unscale_", a_un, 2 * es * n, copy_gbs)
+    t_un = None
+    if dtype != torch.bfloat16:  # torch's CUDA kernel refuses bfloat16
+        t_un, _, _ = bench(lambda: torch._amp_foreach_non_finite_check_and_unscale_([x], found, inv))
+        record(f"large {tag}", "torch _amp_foreach_non_finite_check_and_unscale_", t_un, 2 * es * n, copy_gbs)
+    row(f"unscale_ 1 x {n:,} {tag}", a_un, t_un)
+
+    a_n, _, _ = bench(lambda: ops.norm([x]))
+    record(f"large {tag}", "ampx norm", a_n, es * n, copy_gbs)
+    t_n, _, _ = bench(lambda: torch._foreach_norm([x]))
+    record(f"large {tag}", "torch _foreach_norm", t_n, es * n, copy_gbs)
+    row(f"norm 1 x {n:,} {tag}", a_n, t_n)
+
+    a_un_n, a_best, _ = bench(lambda: ops.unscale_norm_([x], inv, found))
+    r = record(f"large {tag}", "ampx unscale_norm_", a_un_n, 2 * es * n, copy_gbs)
+    record(f"large {tag}", "ampx unscale_norm_, best repeat", a_best, 2 * es * n, copy_gbs)
+    t_un_n = None
+    if t_un is not None:
+        def torch_un_n():
+            torch._amp_foreach_non_finite_check_and_unscale_([x], found, inv)
+            return torch._foreach_norm([x])
+        t_un_n, _, _ = bench(torch_un_n)
+        record(f"large {tag}", "torch unscale + _foreach_norm", t_un_n, 3 * es * n, copy_gbs)
+    row(f"unscale_norm_ 1 x {n:,} {tag}", a_un_n, t_un_n,
+        f"{100 * r.get('of_copy', 0):.1f}% of copy")
+    if dtype == torch.float32:
+        RESULTS.append({"target": "unscale_norm_ >= 90% of copy", "value": r.get("of_copy"),
+                        "pass": r.get("of_copy", 0) >= 0.90})
+    # correctness on the way
+    got = ops.norm([x]).item()
+    ref = torch.linalg.vector_norm(x.double()).item()
+    log(f"  check: ampx norm {got!r} vs float64 {ref!r} (rel {abs(got - ref) / ref:.2e}); "
+        f"found_inf {found.item()}")
+    again = ops.norm([x]).item()
+    log(f"  check: same bits run to run: {again == got}")
+
+
+def small(count, size, copy_gbs):
+    section(f"{count:,} tensors of {size:,} float32")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ts = [torch.randn(size, device="cuda", generator=g) for _ in range(count)]
+    inv = torch.ones(1, device="cuda")
+    found = torch.zeros(1, device="cuda")
+    nbytes = 4 * count * size
+    reps, inner = 7, 3
+
+    def both(name, a_fn, t_fn, bytes_a, bytes_t):
+        a = bench(a_fn, reps, inner)
+        record("small", f"ampx {name} (events)", a[0], bytes_a, copy_gbs, {"wall_ms": a[2]})
+        t = None
+        if t_fn is not None:
+            t = bench(t_fn, reps, inner)
+            record("small", f"torch {name} (events)", t[0], bytes_t, copy_gbs, {"wall_ms": t[2]})
+        log(f"    wall per call: ampx {a[2]:.3f} ms" + (f", torch {t[2]:.3f} ms" if t else ""))
+        row(f"{name} {count:,} x {size:,}", a[0], t[0] if t else None)
+        return a, t
+
+    both("unscale_", lambda: ops.unscale_(ts, inv, found),
+         lambda: torch._amp_foreach_non_finite_check_and_unscale_(ts, found, inv), 2 * nbytes, 2 * nbytes)
+
+    def torch_total_norm():
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts)))
+    both("norm (total)", lambda: ops.norm(ts), torch_total_norm, nbytes, nbytes)
+
+    def torch_un_n():
+        torch._amp_foreach_non_finite_check_and_unscale_(ts, found, inv)
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts)))
+    both("unscale_norm_", lambda: ops.unscale_norm_(ts, inv, found), torch_un_n, 2 * nbytes, 3 * nbytes)
+
+    # the GPU time alone: both replayed from CUDA graphs
+    try:
+        ga = graph_of(lambda: ops.unscale_norm_(ts, inv, found))
+        a = bench(ga, reps, inner)
+        record("small", "ampx unscale_norm_ (graph replay)", a[0], 2 * nbytes, copy_gbs)
+        gt = graph_of(torch_un_n)
+        t = bench(gt, reps, inner)
+        record("small", "torch unscale + norm (graph replay)", t[0], 3 * nbytes, copy_gbs)
+        row(f"unscale_norm_ {count:,} x {size:,}, graph replay", a[0], t[0], "GPU time only")
+    except Exception:
+        log("  graph replay failed:")
+        traceback.print_exc(file=sys.stdout)
+    got = ops.norm(ts).item()
+    ref = torch_total_norm().item()
+    log(f"  check: ampx total norm {got!r} vs torch {ref!r}")
+
+
+def step(label, shapes, max_norm=1e30):
+    """Full scaler steps on parameters of `shapes` (float32, fused AdamW)."""
+    section(f"full scaler step: {label}")
+    numel = sum(math.prod(s) for s in shapes)
+    log(f"  {len(shapes):,} parameters, {numel:,} elements")
+    g = torch.Generator(device="cuda").manual_seed(1)
+
+    def make():
+        ps = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g) * 0.01) for s in shapes]
+        for p in ps:
+            p.grad = torch.randn(p.shape, device="cuda", generator=g)
+        return ps, torch.optim.AdamW(ps, lr=1e-4, fused=True)
+
+    # torch: the documented recipe with a GradScaler (scale 1.0 keeps the grads as they are)
+    tp, topt = make()
+    scaler = torch.amp.GradScaler("cuda", init_scale=1.0, growth_interval=10**9)
+    scaler.scale(torch.ones((), device="cuda"))  # creates its scale tensor
+
+    def torch_step():
+        scaler.unscale_(topt)
+        torch.nn.utils.clip_grad_norm_(tp, max_norm)
+        scaler.step(topt)
+        scaler.update()
+
+    # ampx: one read-only pass (inf check + norm of the unscaled grads), the clip folded into the
+    # fused step's grad_scale, the update as a kernel; no host sync anywhere
+    ap, aopt = make()
+    grads = [p.grad for p in ap]
+    scale = torch.ones(1, device="cuda")
+    tracker = torch.zeros(1, dtype=torch.int32, device="cuda")
+    found = torch.zeros(1, device="cuda")
+
+    def ampx_step():
+        found.zero_()
+        inv = scale.double().reciprocal().float()
+        total = ops.norm(grads, 2, factor=inv, found_inf=found)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        aopt.grad_scale = scale / coef
+        aopt.found_inf = found
+        aopt.step()
+        del aopt.grad_scale, aopt.found_inf
+        ops.update_scale_(scale, tracker, found, 2.0, 0.5, 2000)
+
+    bp, bopt = make()
+    reps, inner = 7, 2
+    t = bench(torch_step, reps, inner)
+    record("step", f"{label}: torch GradScaler unscale_+clip+step+update", t[0], extra={"wall_ms": t[2]})
+    a = bench(ampx_step, reps, inner)
+    record("step", f"{label}: ampx norm+folded clip+step+update", a[0], extra={"wall_ms": a[2]})
+    b = bench(lambda: bopt.step(), reps, inner)
+    record("step", f"{label}: bare fused AdamW step", b[0], extra={"wall_ms": b[2]})
+    log(f"    wall per step: torch {t[2]:.3f} ms, ampx {a[2]:.3f} ms, bare step {b[2]:.3f} ms")
+    row(f"scaler step {label}", a[0], t[0], f"scaler overhead ampx {a[0] - b[0]:.3f} vs torch {t[0] - b[0]:.3f} ms")
+    RESULTS.append({"target": f"full scaler step >= 2.5x torch ({label})", "value": t[0] / a[0],
+                    "pass": t[0] / a[0] >= 2.5})
+    try:  # ampx.GradScaler itself, if it drives CUDA gradients in this build
+        sp, sopt = make()
+        ascaler = ampx.GradScaler("cuda", init_scale=1.0, growth_interval=10**9)
+        ascaler.scale(torch.ones((), device="cuda"))
+
+        def ampx_scaler_step():
+            ascaler.clip_grad_norm_(sopt, max_norm)
+            ascaler.step(sopt)
+            ascaler.update()
+        s = bench(ampx_scaler_step, reps, inner)
+        record("step", f"{label}: ampx.GradScaler clip_grad_norm_+step+update", s[0], extra={"wall_ms": s[2]})
+        row(f"ampx.GradScaler step {label}", s[0], t[0])
+    except Exception as e:
+        log(f"  ampx.GradScaler on CUDA: {type(e).__name__}: {e}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        log("no CUDA device")
+        return 1
+    log(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; "
+        f"ampx.cuda: {ampx.cuda.unavailable_reason() or 'available'} {ampx.cuda.device_info(0)}")
+    t0 = time.time()
+    n = 100_000_000 if args.quick else 1_000_000_000
+    copy = [None]
+
+    def c():
+        copy[0] = ceiling(n)
+    guarded(c)
+    guarded(lambda: large(n, copy[0]))
+    guarded(lambda: large(n, copy[0], torch.bfloat16))
+    guarded(lambda: small(10_000, 1_000, copy[0]))
+    guarded(lambda: small(10_000, 10_000, copy[0]))
+    gs = torch.Generator().manual_seed(3)
+    many = [(int(k),) for k in torch.randint(500, 5000, (10_000,), generator=gs)]
+    guarded(lambda: step("10,000 small params", many))
+    guarded(lambda: step("64 x 4M params", [(2048, 2048)] * 64))
+    guarded(lambda: step("mixed 500 params", [(4096, 1024)] * 100 + [(1024,)] * 400))
+
+    log("")
+    log("=" * 100)
+    log(f"{'':<46}{'ampx ms':>10}{'torch ms':>10}{'speedup':>9}  note")
+    for what, a, t, note in ROWS:
+        sp = f"{t / a:8.2f}x" if (a and t) else "       -"
+        ts = f"{t:10.3f}" if t else "         -"
+        log(f"{what:<46}{a:10.3f}{ts}{sp}  {note}")
+    log("-" * 100)
+    for r in RESULTS:
+        if "target" in r:
+            v = r["value"]
+            log(f"TARGET {r['target']:<52} {'PASS' if r['pass'] else 'FAIL'}  ({v:.3f})" if v is not None
+                else f"TARGET {r['target']}: not measured")
+    log(f"benchmarks took {time.time() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(RESULTS, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+/*
+ * cuda_launch.c: the CUDA multi-tensor launcher, written once for every op.
+ *
+ * The tensors of a call are packed in list order into kernel parameter blocks
+ * (ampx_cu_args, passed by value, under 4 KB): up to AMPX_CU_MAX_TENSORS
+ * tensors per launch, each with its device pointer, size, dtype and the range
+ * of the launch's chunks it owns; one block per chunk of AMPX_CU_CHUNK
+ * elements. All launches of a call and the one memset of its workspace
+ * counters go to the caller's stream, so the call never waits for the host
+ * and can be captured into a CUDA graph.
+ *
+ * Workspace (only when per-tensor flags, per-tensor reductions or the total
+ * are wanted), at ws:
+ *   uint32 tcount[n], uint32 done      zeroed by one memset before the launches
+ *   (pad to 16) ampx_cu_partial[P]     one per chunk of the call (P chunks)
+ *   double pt[n]                       per-tensor reductions, for the total
+ * Every tensor then has at least one chunk (an empty one has one of length 0),
+ * so every tensor's outputs are written.
+ */
+#include <string.h>
+
+#include "ampx_numerics.h"
+#include "cuda_driver.h"
+
+static int64_t chunks_of(int64_t numel, int with_ws)
+{
+    int64_t c = (numel + AMPX_CU_CHUNK - 1) >> AMPX_CU_CHUNK_LOG2;
+    return c == 0 && with_ws ? 1 : c;
+}
+
+static int wants_ws(const ampx_cu_job *job)
+{
+    return job->flags_out != 0 || job->per_out != 0 || job->total_out != 0;
+}
+
+static int64_t align16(int64_t b) { return (b + 15) & ~(int64_t)15; }
+
+int64_t ampx_cu_workspace_bytes(const ampx_cu_job *job, const ampx_cu_tensor *ts, int64_t n, int64_t *chunks)
+{
+    *chunks = 0;
+    if (!wants_ws(job) || n == 0)
+        return 0;
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; i++) {
+        c += chunks_of(ts[i].numel, 1);
+        if (c >= (int64_t)UINT32_MAX)
+            return -1;
+    }
+    *chunks = c;
+    return align16(4 * (n + 1)) + 16 * c + 8 * n;
+}
+
+static ampx_cu_function pick(const ampx_cu_dev *dev, const ampx_cu_job *job)
+{
+    if (job->kind == AMPX_CU_CAST)
+        return dev->cast;
+    if (job->reduce < 0 || job->reduce > 3)
+        return NULL;
+    return dev->scale[job->reduce][job->write ? 1 : 0][job->scale ? 1 : 0];
+}
+
+int ampx_cu_begin(ampx_cu_launcher *L, const ampx_cu_dev *dev, ampx_cu_stream stream, const ampx_cu_job *job,
+                  int64_t n, int64_t chunks, ampx_cu_deviceptr ws, ampx_cu_error *err)
+{
+    memset(L, 0, sizeof *L);
+    L->dev = dev;
+    L->stream = stream;
+    L->fn = pick(dev, job);
+    if (L->fn == NULL) {
+        err->code = AMPX_CU_E_AMPX;
+        strcpy(err->msg, "no CUDA kernel for this mode");
+        return -1;
+    }
+    if (n > (int64_t)UINT32_MAX - 1) {
+        err->code = AMPX_CU_E_AMPX;
+        strcpy(err->msg, "too many tensors for one call");
+        return -1;
+    }
+    ampx_cu_args *a = &L->args;
+    a->kind = (uint32_t)job->kind;
+    a->reduce = job->kind == AMPX_CU_CAST ? AMPX_REDUCE_NONE : (uint32_t)job->reduce;
+    a->check = job->found_inf != 0 || job->flags_out != 0;
+    a->stochastic = (uint32_t)job->stochastic;
+    a->seed = job->seed;
+    a->offset = job->offset;
+    a->factor = job->factor;
+    a->factor_ptr = job->factor_ptr;
+    a->found_inf = job->found_inf;
+    a->ntotal = (uint32_t)n;
+    L->with_ws = wants_ws(job);
+    if (!L->with_ws)
+        return 0;
+    a->flags_out = job->flags_out;
+    a->per_out = job->reduce != AMPX_REDUCE_NONE ? job->per_out : 0;
+    a->total_out = job->reduce != AMPX_REDUCE_NONE ? job->total_out : 0;
+    if (n == 0) {
+        /* nothing to launch: the total of nothing is 0 */
+        if (a->total_out == 0)
+            return 0;
+        if (ampx_cu_push(dev, err) < 0)
+            return -1;
+        int rc = ampx_cu_memset32(a->total_out, 0u, 1, stream, err);
+        ampx_cu_error ignored;
+        if (ampx_cu_pop(rc < 0 ? &ignored : err) < 0 && rc == 0)
+            rc = -1;
+        return rc;
+    }
+    a->tcount = ws;
+    a->done = ws + 4 * (ampx_cu_deviceptr)n;
+    a->partials = ws + (ampx_cu_deviceptr)align16(4 * (n + 1));
+    a->pt = a->partials + 16 * (ampx_cu_deviceptr)chunks;
+    if (ampx_cu_push(dev, err) < 0)
+        return -1;
+    int rc = ampx_cu_memset32(ws, 0u, (size_t)n + 1u, stream, err);
+    ampx_cu_error ignored;
+    if (ampx_cu_pop(rc < 0 ? &ignored : err) < 0 && rc == 0)
+        rc = -1;
+    return rc;
+}
+
+int ampx_cu_flush(ampx_cu_launcher *L, ampx_cu_error *err)
+{
+    ampx_cu_args *a = &L->args;
+    if (a->ntensors == 0)
+        return 0;
+    unsigned grid = a->nchunks < AMPX_CU_MAX_GRID ? a->nchunks : AMPX_CU_MAX_GRID;
+    int rc = ampx_cu_push(L->dev, err);
+    if (rc == 0) {
+        rc = ampx_cu_launch(L->fn, grid, AMPX_CU_BLOCK, L->stream, a, "cuLaunchKernel", err);
+        ampx_cu_error ignored;
+        if (ampx_cu_pop(rc < 0 ? &ignored : err) < 0 && rc == 0)
+            rc = -1;
+    }
+    a->chunk_base += a->nchunks;
+    a->nchunks = 0;
+    a->ntensors = 0;
+    return rc;
+}
+
+int ampx_cu_add(ampx_cu_launcher *L, const ampx_cu_tensor *t, ampx_cu_error *err)
+{
+    int64_t nch = chunks_of(t->numel, L->with_ws);
+    if (nch == 0)
+        return 0; /* an empty tensor has nothing to do unless it has outputs */
+    ampx_cu_args *a = &L->args;
+    if (a->ntensors == AMPX_CU_MAX_TENSORS || (int64_t)a->nchunks + nch > (int64_t)UINT32_MAX - 1 ||
+        (int64_t)a->chunk_base + a->nchunks + nch > (int64_t)UINT32_MAX - 1) {
+        if (ampx_cu_flush(L, err) < 0)
+            return -1;
+        if ((int64_t)a->chunk_base + nch > (int64_t)UINT32_MAX - 1) {
+            err->code = AMPX_CU_E_AMPX;
+            strcpy(err->msg, "too many chunks for one call");
+            return -1;
+        }
+    }
+    uint32_t s = a->ntensors++;
+    a->ptr[s] = t->ptr;
+    a->src[s] = t->src;
+    a->numel[s] = t->numel;
+    a->dtype[s] = (uint8_t)t->dtype;
+    a->src_dtype[s] = (uint8_t)t->src_dtype;
+    a->index[s] = t->index;
+    a->first[s] = a->nchunks;
+    a->nchunks += (uint32_t)nch;
+    a->first[s + 1] = a->nchunks;
+    return 0;
+}
+
+int ampx_cu_update(const ampx_cu_dev *dev, ampx_cu_stream stream, const ampx_cu_update_args *a,
+                   ampx_cu_error *err)
+{
+    ampx_cu_update_args copy = *a;
+    if (ampx_cu_push(dev, err) < 0)
+        return -1;
+    int rc = ampx_cu_launch(dev->update, 1, 1, stream, &copy, "cuLaunchKernel(update_scale)", err);
+    ampx_cu_error ignored;
+    if (ampx_cu_pop(rc < 0 ? &ignored : err) < 0 && rc == 0)
+        rc = -1;
+    return rc;
+}

@@ -1,0 +1,747 @@
+/*
+ * ampx_kernels.cu: ampx's CUDA kernels, compiled by nvcc into ampx/_kernels.fatbin
+ * (SASS for sm_80, sm_86, sm_89, sm_90 and PTX for compute_90) and loaded at
+ * run time through the driver API (csrc/cuda_driver.c).
+ *
+ * One multi-tensor loop (run_chunks) serves every data kernel. A launch carries
+ * up to AMPX_CU_MAX_TENSORS tensors in its __grid_constant__ parameter block;
+ * each tensor is cut into chunks of AMPX_CU_CHUNK elements and each chunk is
+ * the work of one block (blocks loop when the grid is capped). Within a chunk,
+ * thread t owns the 16-byte vectors t, t + BLOCK, t + 2*BLOCK, ... and the
+ * elements past the last full vector belong to the next owner in that order;
+ * a chunk whose memory is not 16-byte aligned is read with scalar loads in the
+ * very same ownership and order. So every thread sums the same elements in the
+ * same order whatever the alignment, and reductions are fixed trees over
+ * fixed groups: the same input gives the same bits on every run.
+ *
+ * Results: found_inf is set to 1.0 by any block that sees an inf/NaN input
+ * (never cleared). When per-tensor flags, per-tensor norms or the total are
+ * wanted, each chunk of a several-chunk tensor writes its partial to the
+ * workspace and counts itself done; the block that finishes a tensor sums its
+ * partials (fixed order), writes the tensor's outputs and counts the tensor
+ * done; the block that finishes the last tensor sums the per-tensor values
+ * (fixed order) into the total. No host synchronisation anywhere.
+ *
+ * The scalar numerics (conversions, stochastic rounding bits, the scale
+ * update rule) are csrc/ampx_numerics.h, shared with the CPU kernels.
+ */
+#ifndef AMPX_CUDA_EMULATION
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+#include <stdint.h>
+
+#include <type_traits>
+
+#include "ampx_numerics.h"
+#include "cuda_args.h"
+#include "cuda_driver.h"
+
+/* ---- the host side's assumptions, checked here where cuda.h is at hand ---- */
+
+static_assert(sizeof(ampx_cu_args) == AMPX_CU_ARGS_SIZE, "kernel argument layout");
+static_assert(sizeof(ampx_cu_args) <= 4096, "kernel arguments must fit the 4 KB parameter limit");
+static_assert(sizeof(ampx_cu_partial) == 16, "partial layout");
+#ifndef AMPX_CUDA_EMULATION /* (tests/test_cuda.py runs these kernels on the CPU through cuda/emulate.h) */
+static_assert(AMPX_CUDA_SUCCESS == CUDA_SUCCESS, "driver constant");
+static_assert(AMPX_CUDA_ERROR_NO_BINARY_FOR_GPU == CUDA_ERROR_NO_BINARY_FOR_GPU, "driver constant");
+static_assert(AMPX_CU_ATTR_MULTIPROCESSOR_COUNT == CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "driver constant");
+static_assert(AMPX_CU_ATTR_CC_MAJOR == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, "driver constant");
+static_assert(AMPX_CU_ATTR_CC_MINOR == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, "driver constant");
+static_assert(sizeof(ampx_cu_deviceptr) == sizeof(CUdeviceptr), "driver type");
+#endif
+static_assert(AMPX_CU_BLOCK % 32 == 0 && AMPX_CU_BLOCK <= 1024, "block size");
+
+#define BLOCK AMPX_CU_BLOCK
+#define NWARPS (BLOCK / 32)
+#define FULL_MASK 0xffffffffu
+
+/* ---- element types -------------------------------------------------------- */
+
+template <int DT> struct dt_info;
+template <> struct dt_info<AMPX_F32> { static constexpr int size = 4; typedef float compute; };
+template <> struct dt_info<AMPX_F16> { static constexpr int size = 2; typedef float compute; };
+template <> struct dt_info<AMPX_BF16> { static constexpr int size = 2; typedef float compute; };
+template <> struct dt_info<AMPX_F64> { static constexpr int size = 8; typedef double compute; };
+
+/* NB 16-byte words from 16-byte-aligned p, into registers. */
+template <int NB>
+__device__ __forceinline__ void raw_load(const char *p, uint4 (&raw)[NB])
+{
+#pragma unroll
+    for (int b = 0; b < NB; b++)
+        raw[b] = reinterpret_cast<const uint4 *>(p)[b];
+}
+
+/* The W elements of type DT held in raw, widened to T. */
+template <int DT, int W, typename T>
+__device__ __forceinline__ void decode(const uint4 (&raw)[W * dt_info<DT>::size / 16], T (&x)[W])
+{
+    constexpr int NB = W * dt_info<DT>::size / 16;
+    static_assert(NB >= 1 && NB * 16 == W * dt_info<DT>::size, "vector width");
+    const uint32_t *w = reinterpret_cast<const uint32_t *>(raw);
+#pragma unroll
+    for (int k = 0; k < 4 * NB; k++) {
+        if (DT == AMPX_F32) {
+            x[k] = (T)__uint_as_float(w[k]);
+        } else if (DT == AMPX_F16) {
+            x[2 * k] = (T)__half2float(__ushort_as_half((unsigned short)(w[k] & 0xffffu)));
+            x[2 * k + 1] = (T)__half2float(__ushort_as_half((unsigned short)(w[k] >> 16)));
+        } else if (DT == AMPX_BF16) {
+            x[2 * k] = (T)__uint_as_float(w[k] << 16);
+            x[2 * k + 1] = (T)__uint_as_float(w[k] & 0xffff0000u);
+        } else if ((k & 1) == 0) {
+            x[k / 2] = (T)__hiloint2double((int)w[k + 1], (int)w[k]);
+        }
+    }
+}
+
+/* W elements of type DT from 16-byte-aligned p (W * size a multiple of 16). */
+template <int DT, int W, typename T>
+__device__ __forceinline__ void vload(const char *p, T (&x)[W])
+{
+    uint4 raw[W * dt_info<DT>::size / 16];
+    raw_load(p, raw);
+    decode<DT, W>(raw, x);
+}
+
+/* One element of type DT at p[i], widened to its compute type. */
+template <int DT>
+__device__ __forceinline__ typename dt_info<DT>::compute sload(const char *p, int64_t i)
+{
+    if (DT == AMPX_F32)
+        return reinterpret_cast<const float *>(p)[i];
+    if (DT == AMPX_F16)
+        return __half2float(__ushort_as_half(reinterpret_cast<const unsigned short *>(p)[i]));
+    if (DT == AMPX_BF16)
+        return ampx_bf16_to_f32(reinterpret_cast<const uint16_t *>(p)[i]);
+    return (typename dt_info<DT>::compute)reinterpret_cast<const double *>(p)[i];
+}
+
+/* float -> float16 / bfloat16 bits, round to nearest even, subnormals kept,
+ * overflow to inf (the conversions of ampx_numerics.h, done by the hardware;
+ * only NaN payloads may differ, and NaN stays NaN). Two at a time. */
+template <int DT>
+__device__ __forceinline__ uint32_t pack2(float a, float b)
+{
+    if (DT == AMPX_F16) {
+        __half2 h = __floats2half2_rn(a, b);
+        return *reinterpret_cast<uint32_t *>(&h);
+    } else {
+        __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+        return *reinterpret_cast<uint32_t *>(&h);
+    }
+}
+
+template <int DT>
+__device__ __forceinline__ uint16_t pack1(float a)
+{
+    return (uint16_t)(pack2<DT>(a, 0.0f) & 0xffffu);
+}
+
+/* The value a float16 / bfloat16 element stores for x, widened back. */
+template <int DT>
+__device__ __forceinline__ float round_to(float x)
+{
+    if (DT == AMPX_F16)
+        return __half2float(__float2half_rn(x));
+    if (DT == AMPX_BF16)
+        return __bfloat162float(__float2bfloat16_rn(x));
+    return x;
+}
+
+/* Stores W values of compute type into 16-byte-aligned p as DT. */
+template <int DT, int W, typename T>
+__device__ __forceinline__ void vstore(char *p, const T (&x)[W])
+{
+    constexpr int NB = W * dt_info<DT>::size / 16;
+    uint4 raw[NB];
+    uint32_t *w = reinterpret_cast<uint32_t *>(raw);
+#pragma unroll
+    for (int k = 0; k < 4 * NB; k++) {
+        if (DT == AMPX_F32)
+            w[k] = __float_as_uint((float)x[k]);
+        else if (DT == AMPX_F16 || DT == AMPX_BF16)
+            w[k] = pack2<DT>((float)x[2 * k], (float)x[2 * k + 1]);
+        else if ((k & 1) == 0) {
+            double d = (double)x[k / 2];
+            w[k] = (uint32_t)__double2loint(d);
+            w[k + 1] = (uint32_t)__double2hiint(d);
+        }
+    }
+#pragma unroll
+    for (int b = 0; b < NB; b++)
+        reinterpret_cast<uint4 *>(p)[b] = raw[b];
+}
+
+template <int DT, typename T>
+__device__ __forceinline__ void sstore(char *p, int64_t i, T x)
+{
+    if (DT == AMPX_F32)
+        reinterpret_cast<float *>(p)[i] = (float)x;
+    else if (DT == AMPX_F16 || DT == AMPX_BF16)
+        reinterpret_cast<uint16_t *>(p)[i] = pack1<DT>((float)x);
+    else
+        reinterpret_cast<double *>(p)[i] = (double)x;
+}
+
+/* ---- per-thread results and the fixed-order block reduction --------------- */
+
+struct part_t {
+    double acc;     /* reduction (AMPX_REDUCE_MAXABS: NaN when a NaN was reduced) */
+    unsigned flags; /* AMPX_FLAG_* */
+};
+
+__device__ __forceinline__ double combine(double a, double b, int rd)
+{
+    if (rd == AMPX_REDUCE_MAXABS) {
+        if (isnan(a) || isnan(b))
+            return __longlong_as_double(0x7ff8000000000000ll);
+        return a > b ? a : b;
+    }
+    return a + b;
+}
+
+__device__ __forceinline__ double finish(double acc, int rd)
+{
+    return rd == AMPX_REDUCE_SUMSQ ? sqrt(acc) : acc;
+}
+
+struct block_smem {
+    double acc[NWARPS];
+    unsigned flags[NWARPS];
+    int last_chunk, last_tensor;
+};
+
+/* Reduces every thread's r into thread 0's (a fixed butterfly in each warp,
+ * then the warps' results in warp order). All threads must call it. */
+__device__ __forceinline__ void block_reduce(part_t &r, int rd, block_smem &sm)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    double acc = r.acc;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        acc = combine(acc, __shfl_xor_sync(FULL_MASK, acc, o), rd);
+    unsigned fl = __reduce_or_sync(FULL_MASK, r.flags);
+    __syncthreads(); /* the previous user of sm is done */
+    if (lane == 0) {
+        sm.acc[warp] = acc;
+        sm.flags[warp] = fl;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        acc = lane < NWARPS ? sm.acc[lane] : 0.0;
+        fl = lane < NWARPS ? sm.flags[lane] : 0u;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            acc = combine(acc, __shfl_xor_sync(FULL_MASK, acc, o), rd);
+        fl = __reduce_or_sync(FULL_MASK, fl);
+    }
+    r.acc = acc;
+    r.flags = fl;
+}
+
+__device__ __forceinline__ float t_abs(float x) { return fabsf(x); }
+__device__ __forceinline__ double t_abs(double x) { return fabs(x); }
+/* NaN never reaches these maxima: NaN is tracked apart (rn). */
+__device__ __forceinline__ float t_max(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double t_max(double a, double b) { return fmax(a, b); }
+
+/* Per-thread accumulation of one element's stored/reduced value v. */
+template <int RD, typename T>
+struct accum {
+    double sum;
+    T mx;
+    bool rn; /* a reduced value was NaN (max alone would drop it) */
+    bool hn, hi; /* an input was NaN / +-inf */
+    __device__ __forceinline__ accum() : sum(0.0), mx((T)0), rn(false), hn(false), hi(false) {}
+    __device__ __forceinline__ void input(T x)
+    {
+        hn |= isnan(x);
+        hi |= isinf(x);
+    }
+    __device__ __forceinline__ void reduce(T v)
+    {
+        if (RD == AMPX_REDUCE_SUMSQ) {
+            double d = (double)v;
+            sum = fma(d, d, sum);
+        } else if (RD == AMPX_REDUCE_SUMABS) {
+            sum += fabs((double)v);
+        } else if (RD == AMPX_REDUCE_MAXABS) {
+            rn |= isnan(v);
+            mx = t_max(mx, t_abs(v));
+        }
+    }
+    __device__ __forceinline__ part_t result() const
+    {
+        part_t r;
+        r.flags = (hn ? AMPX_FLAG_NAN : 0u) | (hi ? AMPX_FLAG_INF : 0u);
+        if (RD == AMPX_REDUCE_MAXABS)
+            r.acc = rn ? __longlong_as_double(0x7ff8000000000000ll) : (double)mx;
+        else
+            r.acc = sum;
+        return r;
+    }
+};
+
+/* ---- the multi-tensor loop, written once ---------------------------------- */
+
+__device__ __forceinline__ double ldcg_f64(const double *p) { return __ldcg(p); }
+
+/* Runs body(slot, start, len) over every chunk of the launch and publishes the
+ * results as the header of this file describes. body returns this thread's
+ * part of the chunk's result. */
+template <class Body>
+__device__ __forceinline__ void run_chunks(const ampx_cu_args &a, int rd, Body &body)
+{
+    __shared__ block_smem sm;
+    const int tid = threadIdx.x;
+    const bool with_ws = a.tcount != 0;
+    float *found = reinterpret_cast<float *>(a.found_inf);
+    for (uint32_t c = blockIdx.x; c < a.nchunks; c += gridDim.x) {
+        /* the slot owning chunk c: the last with first[slot] <= c (every slot has >= 1 chunk) */
+        int lo = 0, hi = (int)a.ntensors - 1;
+        while (lo < hi) {
+            int mid = (lo + hi + 1) >> 1;
+            if (a.first[mid] <= c)
+                lo = mid;
+            else
+                hi = mid - 1;
+        }
+        const int slot = lo;
+        const uint32_t j = c - a.first[slot];
+        const uint32_t nch = a.first[slot + 1] - a.first[slot];
+        const int64_t start = (int64_t)j << AMPX_CU_CHUNK_LOG2;
+        int64_t len = a.numel[slot] - start;
+        if (len > AMPX_CU_CHUNK)
+            len = AMPX_CU_CHUNK;
+        if (len < 0)
+            len = 0;
+        part_t r = body(slot, start, len);
+
+        if (!with_ws) {
+            if (found != nullptr) {
+                if (__syncthreads_or(r.flags != 0u) && tid == 0)
+                    *found = 1.0f;
+            }
+            continue;
+        }
+        block_reduce(r, rd, sm);
+        if (tid == 0 && found != nullptr && r.flags != 0u)
+            *found = 1.0f;
+        const uint32_t idx = a.index[slot];
+        bool finisher = true;
+        if (nch > 1) {
+            ampx_cu_partial *parts = reinterpret_cast<ampx_cu_partial *>(a.partials);
+            const uint32_t base = a.chunk_base + a.first[slot];
+            if (tid == 0) {
+                parts[base + j].acc = r.acc;
+                parts[base + j].flags = r.flags;
+                __threadfence();
+                unsigned old = atomicAdd(reinterpret_cast<unsigned *>(a.tcount) + idx, 1u);
+                sm.last_chunk = old == nch - 1u;
+            }
+            __syncthreads();
+            finisher = sm.last_chunk != 0;
+            if (finisher) {
+                /* the tensor's chunks, in chunk order per thread, then the fixed tree */
+                __threadfence();
+                part_t t;
+                t.acc = 0.0;
+                t.flags = 0u;
+                for (uint32_t k = tid; k < nch; k += BLOCK) {
+                    t.acc = combine(t.acc, ldcg_f64(&parts[base + k].acc), rd);
+                    t.flags |= __ldcg(&parts[base + k].flags);
+                }
+                block_reduce(t, rd, sm);
+                r = t;
+            }
+        }
+        if (finisher) {
+            if (tid == 0) {
+                if (a.flags_out)
+                    reinterpret_cast<uint8_t *>(a.flags_out)[idx] = (uint8_t)r.flags;
+                if (a.per_out)
+                    reinterpret_cast<float *>(a.per_out)[idx] = (float)finish(r.acc, rd);
+                if (a.total_out) {
+                    reinterpret_cast<double *>(a.pt)[idx] = r.acc;
+                    __threadfence();
+                    unsigned old = atomicAdd(reinterpret_cast<unsigned *>(a.done), 1u);
+                    sm.last_tensor = old == a.ntotal - 1u;
+                }
+            }
+            if (a.total_out) {
+                __syncthreads();
+                if (sm.last_tensor) {
+                    __threadfence();
+                    const double *pt = reinterpret_cast<const double *>(a.pt);
+                    part_t t;
+                    t.acc = 0.0;
+                    t.flags = 0u;
+                    for (uint32_t k = tid; k < a.ntotal; k += BLOCK)
+                        t.acc = combine(t.acc, ldcg_f64(&pt[k]), rd);
+                    block_reduce(t, rd, sm);
+                    if (tid == 0)
+                        *reinterpret_cast<float *>(a.total_out) = (float)finish(t.acc, rd);
+                }
+            }
+        }
+        __syncthreads(); /* sm is reused by the next chunk */
+    }
+}
+
+/* ---- scale / check / reduce ------------------------------------------------ */
+
+/* One chunk of a DT tensor: multiply (SC), store (WR), classify, reduce (RD). */
+template <int DT, int RD, bool WR, bool SC>
+__device__ __forceinline__ part_t scale_chunk(char *p, int64_t len, float fs, double fd)
+{
+    typedef typename dt_info<DT>::compute T;
+    constexpr int W = 16 / dt_info<DT>::size;
+    constexpr int U = 4; /* vectors in flight per thread */
+    const T s = DT == AMPX_F64 ? (T)fd : (T)fs;
+    accum<RD, T> st;
+    const int tid = threadIdx.x;
+    const int64_t nvec = len / W;
+
+    auto element = [&](T x) -> T {
+        st.input(x);
+        T y = x;
+        if (SC) {
+            if (DT == AMPX_F64)
+                y = (T)__dmul_rn((double)x, (double)s);
+            else
+                y = (T)__fmul_rn((float)x, (float)s);
+        }
+        if (RD) {
+            if (SC && (DT == AMPX_F16 || DT == AMPX_BF16))
+                st.reduce((T)round_to<DT>((float)y)); /* the value as stored */
+            else
+                st.reduce(y);
+        }
+        return y;
+    };
+
+    if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
+        int64_t v = tid;
+        for (; v + (U - 1) * BLOCK < nvec; v += U * BLOCK) {
+            uint4 raw[U][1];
+#pragma unroll
+            for (int u = 0; u < U; u++)
+                raw_load(p + (v + u * BLOCK) * 16, raw[u]);
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                T x[W];
+                decode<DT, W>(raw[u], x);
+#pragma unroll
+                for (int k = 0; k < W; k++)
+                    x[k] = element(x[k]);
+                if (WR)
+                    vstore<DT, W>(p + (v + u * BLOCK) * 16, x);
+            }
+        }
+        for (; v < nvec; v += BLOCK) {
+            T x[W];
+            vload<DT, W>(p + v * 16, x);
+#pragma unroll
+            for (int k = 0; k < W; k++)
+                x[k] = element(x[k]);
+            if (WR)
+                vstore<DT, W>(p + v * 16, x);
+        }
+    } else {
+        for (int64_t v = tid; v < nvec; v += BLOCK) {
+#pragma unroll
+            for (int k = 0; k < W; k++) {
+                T y = element(sload<DT>(p, v * W + k));
+                if (WR)
+                    sstore<DT>(p, v * W + k, y);
+            }
+        }
+    }
+    /* the elements past the last full vector: the next vector's owner */
+    if (tid == (int)(nvec % BLOCK)) {
+        for (int64_t e = nvec * W; e < len; e++) {
+            T y = element(sload<DT>(p, e));
+            if (WR)
+                sstore<DT>(p, e, y);
+        }
+    }
+    return st.result();
+}
+
+template <int RD, bool WR, bool SC>
+struct scale_body {
+    const ampx_cu_args &a;
+    float fs;
+    double fd;
+    __device__ __forceinline__ scale_body(const ampx_cu_args &args) : a(args)
+    {
+        if (a.factor_ptr != 0) {
+            fs = *reinterpret_cast<const float *>(a.factor_ptr);
+            fd = (double)fs;
+        } else {
+            fd = a.factor;
+            fs = (float)a.factor;
+        }
+    }
+    __device__ __forceinline__ part_t operator()(int slot, int64_t start, int64_t len)
+    {
+        const int dt = a.dtype[slot];
+        char *base = reinterpret_cast<char *>(a.ptr[slot]);
+        switch (dt) {
+        case AMPX_F32:
+            return scale_chunk<AMPX_F32, RD, WR, SC>(base + start * 4, len, fs, fd);
+        case AMPX_F16:
+            return scale_chunk<AMPX_F16, RD, WR, SC>(base + start * 2, len, fs, fd);
+        case AMPX_BF16:
+            return scale_chunk<AMPX_BF16, RD, WR, SC>(base + start * 2, len, fs, fd);
+        default:
+            return scale_chunk<AMPX_F64, RD, WR, SC>(base + start * 8, len, fs, fd);
+        }
+    }
+};
+
+template <int RD, bool WR, bool SC>
+__device__ __forceinline__ void scale_kernel(const ampx_cu_args &a)
+{
+    if (a.kind != AMPX_CU_SCALE || a.reduce != (uint32_t)RD)
+        __trap(); /* the host picked the wrong kernel: fail loudly, never compute garbage */
+    scale_body<RD, WR, SC> body(a);
+    run_chunks(a, RD, body);
+}
+
+#define AMPX_SCALE_KERNEL(rd, wr, sc)                                                                      \
+    extern "C" __global__ void __launch_bounds__(BLOCK)                                                    \
+        ampx_k_scale_r##rd##_w##wr##_s##sc(const __grid_constant__ ampx_cu_args a)                         \
+    {                                                                                                      \
+        scale_kernel<rd, (bool)wr, (bool)sc>(a);                                                           \
+    }
+
+/* The modes of csrc/cpu_kernels.h that have kernels: mul_/unscale_ (r0 w1 s1),
+ * check_finite (r0 w0 s0), norm (rN w0 s0), norm with a factor (rN w0 s1),
+ * unscale_norm_ (rN w1 s1). */
+AMPX_SCALE_KERNEL(0, 1, 1)
+AMPX_SCALE_KERNEL(0, 0, 0)
+AMPX_SCALE_KERNEL(1, 0, 0)
+AMPX_SCALE_KERNEL(2, 0, 0)
+AMPX_SCALE_KERNEL(3, 0, 0)
+AMPX_SCALE_KERNEL(1, 0, 1)
+AMPX_SCALE_KERNEL(2, 0, 1)
+AMPX_SCALE_KERNEL(3, 0, 1)
+AMPX_SCALE_KERNEL(1, 1, 1)
+AMPX_SCALE_KERNEL(2, 1, 1)
+AMPX_SCALE_KERNEL(3, 1, 1)
+
+/* ---- casts ------------------------------------------------------------------ */
+
+/* src (S) * factor -> dst (D), as the CPU's cast_body (float arithmetic) and
+ * cast_body_f64 (a float64 side: double arithmetic, then one rounding to a
+ * narrow type through round-to-odd). */
+template <int S, int D, bool SR>
+struct cast_traits {
+    static constexpr bool wide = S == AMPX_F64 || D == AMPX_F64;
+    /* the value is the stored bits (exact functions of ampx_numerics.h), else the
+     * compute-type value that vstore/sstore convert (float16/bfloat16 by the
+     * hardware's round-to-nearest-even) */
+    static constexpr bool bits = (D == AMPX_F16 || D == AMPX_BF16) && (wide || SR);
+    typedef typename dt_info<S>::compute in;
+    typedef typename std::conditional<bits, uint16_t, typename dt_info<D>::compute>::type out;
+};
+
+template <int D>
+__device__ __forceinline__ uint16_t narrow_exact(float x)
+{
+    return D == AMPX_F16 ? ampx_f32_to_f16(x) : ampx_f32_to_bf16(x);
+}
+
+/* The value stored for source value x; e: the element's index in its tensor (low 32 bits). */
+template <int S, int D, bool SR>
+__device__ __forceinline__ typename cast_traits<S, D, SR>::out cast_value(typename cast_traits<S, D, SR>::in x,
+                                                                            float fs, double fd, ampx_sr_key_t key,
+                                                                            uint32_t e)
+{
+    if constexpr (cast_traits<S, D, SR>::wide) {
+        double y;
+        if constexpr (S == AMPX_F64)
+            y = __dmul_rn((double)x, fd);
+        else
+            y = (double)__fmul_rn((float)x, fs);
+        if constexpr (D == AMPX_F64) {
+            return y;
+        } else if constexpr (D == AMPX_F32) {
+            return (float)y;
+        } else {
+            float odd = ampx_f64_to_f32_odd(y);
+            if constexpr (SR)
+                return ampx_f32_to_bf16_sr(odd, ampx_sr_bits(key, e));
+            else
+                return narrow_exact<D>(odd);
+        }
+    } else {
+        float y = __fmul_rn((float)x, fs);
+        if constexpr (SR)
+            return ampx_f32_to_bf16_sr(y, ampx_sr_bits(key, e));
+        else
+            return y;
+    }
+}
+
+template <int S, int D, bool SR>
+__device__ __forceinline__ part_t cast_chunk(const char *s, char *d, int64_t len, float fs, double fd,
+                                             ampx_sr_key_t key, uint32_t e0)
+{
+    typedef cast_traits<S, D, SR> tr;
+    typedef typename tr::in TS;
+    typedef typename tr::out TD;
+    constexpr int ES = dt_info<S>::size, ED = dt_info<D>::size;
+    constexpr int W = 16 / (ES < ED ? ES : ED);
+    constexpr int NBMAX = W * (ES > ED ? ES : ED) / 16;
+    constexpr int U = NBMAX >= 4 ? 1 : 4 / NBMAX; /* 16-byte accesses in flight: about 4 per thread */
+    const int tid = threadIdx.x;
+    const int64_t nvec = len / W;
+    bool hn = false, hi = false;
+
+    auto scalar = [&](int64_t e) {
+        TS x = sload<S>(s, e);
+        hn |= isnan(x);
+        hi |= isinf(x);
+        TD y = cast_value<S, D, SR>(x, fs, fd, key, e0 + (uint32_t)e);
+        if constexpr (tr::bits)
+            reinterpret_cast<uint16_t *>(d)[e] = y;
+        else
+            sstore<D>(d, e, y);
+    };
+
+    if (((reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(d)) & 15u) == 0) {
+        constexpr int NBS = W * ES / 16;
+        for (int64_t v = tid; v < nvec; v += (int64_t)U * BLOCK) {
+            uint4 raw[U][NBS];
+#pragma unroll
+            for (int u = 0; u < U; u++)
+                if (v + u * BLOCK < nvec)
+                    raw_load(s + (v + u * BLOCK) * (W * ES), raw[u]);
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int64_t vu = v + u * BLOCK;
+                if (vu < nvec) {
+                    TS x[W];
+                    decode<S, W>(raw[u], x);
+                    TD y[W];
+#pragma unroll
+                    for (int k = 0; k < W; k++) {
+                        hn |= isnan(x[k]);
+                        hi |= isinf(x[k]);
+                        y[k] = cast_value<S, D, SR>(x[k], fs, fd, key, e0 + (uint32_t)(vu * W + k));
+                    }
+                    char *q = d + vu * (W * ED);
+                    if constexpr (tr::bits) {
+                        static_assert(W == 8, "16-bit destination vectors hold 8 elements");
+                        uint4 o;
+                        o.x = (uint32_t)y[0] | ((uint32_t)y[1] << 16);
+                        o.y = (uint32_t)y[2] | ((uint32_t)y[3] << 16);
+                        o.z = (uint32_t)y[4] | ((uint32_t)y[5] << 16);
+                        o.w = (uint32_t)y[6] | ((uint32_t)y[7] << 16);
+                        *reinterpret_cast<uint4 *>(q) = o;
+                    } else {
+                        vstore<D, W>(q, y);
+                    }
+                }
+            }
+        }
+    } else {
+        for (int64_t v = tid; v < nvec; v += BLOCK)
+#pragma unroll
+            for (int k = 0; k < W; k++)
+                scalar(v * W + k);
+    }
+    if (tid == (int)(nvec % BLOCK))
+        for (int64_t e = nvec * W; e < len; e++)
+            scalar(e);
+    part_t r;
+    r.acc = 0.0;
+    r.flags = (hn ? AMPX_FLAG_NAN : 0u) | (hi ? AMPX_FLAG_INF : 0u);
+    return r;
+}
+
+struct cast_body {
+    const ampx_cu_args &a;
+    float fs;
+    double fd;
+    __device__ __forceinline__ cast_body(const ampx_cu_args &args) : a(args)
+    {
+        if (a.factor_ptr != 0) {
+            fs = *reinterpret_cast<const float *>(a.factor_ptr);
+            fd = (double)fs;
+        } else {
+            fd = a.factor;
+            fs = (float)a.factor;
+        }
+    }
+
+    template <int S, int D, bool SR>
+    __device__ __forceinline__ part_t go(int slot, int64_t start, int64_t len)
+    {
+        ampx_sr_key_t key = {0u, 0u};
+        if (SR)
+            key = ampx_sr_key(a.seed, a.offset, a.index[slot], (uint32_t)((uint64_t)start >> 32));
+        const char *s = reinterpret_cast<const char *>(a.src[slot]) + start * dt_info<S>::size;
+        char *d = reinterpret_cast<char *>(a.ptr[slot]) + start * dt_info<D>::size;
+        return cast_chunk<S, D, SR>(s, d, len, fs, fd, key, (uint32_t)start);
+    }
+
+    template <int S>
+    __device__ __forceinline__ part_t row(int dd, int slot, int64_t start, int64_t len)
+    {
+        switch (dd) {
+        case AMPX_F32:
+            return go<S, AMPX_F32, false>(slot, start, len);
+        case AMPX_F16:
+            return go<S, AMPX_F16, false>(slot, start, len);
+        case AMPX_BF16:
+            if (a.stochastic)
+                return go<S, AMPX_BF16, true>(slot, start, len);
+            return go<S, AMPX_BF16, false>(slot, start, len);
+        default:
+            return go<S, AMPX_F64, false>(slot, start, len);
+        }
+    }
+
+    __device__ __forceinline__ part_t operator()(int slot, int64_t start, int64_t len)
+    {
+        const int dd = a.dtype[slot];
+        switch (a.src_dtype[slot]) {
+        case AMPX_F32:
+            return row<AMPX_F32>(dd, slot, start, len);
+        case AMPX_F16:
+            return row<AMPX_F16>(dd, slot, start, len);
+        case AMPX_BF16:
+            return row<AMPX_BF16>(dd, slot, start, len);
+        default:
+            return row<AMPX_F64>(dd, slot, start, len);
+        }
+    }
+};
+
+extern "C" __global__ void __launch_bounds__(BLOCK) ampx_k_cast(const __grid_constant__ ampx_cu_args a)
+{
+    if (a.kind != AMPX_CU_CAST || a.reduce != AMPX_REDUCE_NONE)
+        __trap();
+    cast_body body(a);
+    run_chunks(a, AMPX_REDUCE_NONE, body);
+}
+
+/* ---- the loss-scale update ----------------------------------------------------- */
+
+extern "C" __global__ void ampx_k_update_scale(const ampx_cu_update_args a)
+{
+    if (threadIdx.x != 0 || blockIdx.x != 0)
+        return;
+    int ev = ampx_update_scale(reinterpret_cast<float *>(a.scale), reinterpret_cast<int32_t *>(a.growth_tracker),
+                               reinterpret_cast<int32_t *>(a.hysteresis),
+                               *reinterpret_cast<const float *>(a.found_inf), a.growth_factor, a.backoff_factor,
+                               a.growth_interval, a.hysteresis_max, a.consecutive, a.min_scale, a.max_scale);
+    if (a.events != 0)
+        *reinterpret_cast<int32_t *>(a.events) = ev;
+}

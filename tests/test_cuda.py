@@ -1,0 +1,1365 @@
+"""ampx's CUDA path.
+
+Everywhere (no GPU needed):
+  * ampx imports; ampx.cuda says whether it is available and, when not, why;
+  * the fatbin was built into the package when nvcc is present, with SASS for sm_80, sm_86,
+    sm_89, sm_90 and PTX for compute_90;
+  * the C host layer validates CUDA calls before touching the driver, and reports a missing
+    driver as an exception;
+  * the multi-tensor launcher (csrc/cuda_launch.c), compiled against a fake driver that records
+    launches: every element of every tensor is covered exactly once, launches respect the
+    parameter-block limits, the workspace layout fits its allocation;
+  * an independent (numpy) implementation of the stochastic-rounding hash agrees with ampx's CPU
+    cast, so it can check the GPU's bits past 2**32 elements.
+
+On a CUDA machine (skipped elsewhere): the kernel reference tests of test_ops.py again, on the
+GPU, against float64 references, torch's CUDA kernels and ampx's own CPU results (stored values
+bit-identical, NaN payloads aside; stochastic rounding bit-identical), sizes either side of
+every vector, block, chunk and launch boundary, misaligned views, 1 to thousands of tensors,
+bfloat16 gradients, fixed-order (run-to-run identical) norms, errors for tensors on the wrong
+device, no host synchronisation in a fused-AdamW step, and a scaler sequence captured into a
+CUDA graph and replayed.
+"""
+import math
+import os
+import shutil
+import struct
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+import ampx
+from ampx import _C, ops
+from conftest import (
+    CHUNK,
+    FLOAT_DTYPES,
+    SMALL_SIZES,
+    assert_bits_equal,
+    assert_exactly_equal,
+    assert_norm_close,
+    f32,
+    finite_values,
+    norm_ref64,
+    rand_list,
+    special_values,
+    unscale_ref,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ORDS = [2.0, 1.0, math.inf]
+DT_IDS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64"}
+FLAG_INF, FLAG_NAN = ops.FLAG_INF, ops.FLAG_NAN
+
+CUDA = torch.cuda.is_available() and ampx.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="no CUDA device usable by ampx: " + str(ampx.cuda.unavailable_reason()))
+two_gpus = pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+BLOCK = _C.CUDA_BLOCK
+MAX_T = _C.CUDA_MAX_TENSORS
+assert _C.CUDA_CHUNK == CHUNK
+
+# Either side of every boundary of the CUDA kernels: vector widths (2, 4, 8 elements), one
+# block's vectors (BLOCK * W), the unrolled group (4 * BLOCK * W), chunks.
+_EDGES = sorted({m * w * BLOCK for w in (2, 4, 8) for m in (1, 4)} | {CHUNK, 2 * CHUNK})
+CUDA_SIZES = sorted(set(SMALL_SIZES) | {e + d for e in _EDGES for d in (-1, 0, 1)} | {3 * CHUNK + 4097})
+
+
+def dt_id(dt):
+    return DT_IDS[dt]
+
+
+def expected_flags(tensors):
+    out = []
+    for t in tensors:
+        v = t.detach().cpu()
+        f = 0
+        if v.numel() and torch.isinf(v).any():
+            f |= FLAG_INF
+        if v.numel() and torch.isnan(v).any():
+            f |= FLAG_NAN
+        out.append(f)
+    return out
+
+
+def any_nonfinite(tensors):
+    return any(f != 0 for f in expected_flags(tensors))
+
+
+def dev(tensors):
+    return [t.to("cuda") for t in tensors]
+
+
+def host(tensors):
+    return [t.detach().cpu() for t in tensors]
+
+
+def clones(tensors):
+    return [t.clone() for t in tensors]
+
+
+def assert_same_float(got, ref, msg=""):
+    """Two float32 results of the same quantity accumulated in float64 in different orders:
+    equal, or one float32 ulp apart; NaN and inf exactly where the other has them."""
+    g, r = float(got), float(ref)
+    if math.isnan(r) or math.isnan(g):
+        assert math.isnan(r) and math.isnan(g), (msg, g, r)
+        return
+    if math.isinf(r) or math.isinf(g):
+        assert g == r, (msg, g, r)
+        return
+    assert abs(g - r) <= 2.0**-23 * abs(r) + 1e-45, (msg, g, r)
+
+
+# ============================================================== everywhere ==
+
+
+def _find_nvcc():
+    """The nvcc setup.py would use (same search order)."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            c = os.path.join(os.environ[var], "bin", "nvcc")
+            if os.path.isfile(c) and os.access(c, os.X_OK):
+                return c
+    if os.path.isfile("/usr/local/cuda/bin/nvcc") and os.access("/usr/local/cuda/bin/nvcc", os.X_OK):
+        return "/usr/local/cuda/bin/nvcc"
+    return shutil.which("nvcc")
+
+
+def test_import_and_availability_is_explained():
+    reason = ampx.cuda.unavailable_reason()
+    assert ampx.cuda.is_available() is (reason is None)
+    if reason is not None:
+        assert isinstance(reason, str) and len(reason) > 20
+    if not torch.cuda.is_available():
+        assert ampx.cuda.is_available() is False
+        assert reason
+
+
+def _fatbin_entries(data):
+    """(kind, arch) of each entry of a fatbin: kind 1 is PTX, 2 is an ELF cubin. The container
+    layout (as nvcc 12 and 13 write it): a 16-byte header (magic 0xBA55ED50, version,
+    header size, payload size), then entries whose header holds the kind (u16 at 0), the header
+    size (u32 at 4), the payload size (u64 at 8) and the architecture (u32 at 28)."""
+    magic, _, hsz, size = struct.unpack_from("<IHHQ", data, 0)
+    assert magic == 0xBA55ED50, hex(magic)
+    out, off = [], hsz
+    while off < hsz + size:
+        kind, _, ehs, psize = struct.unpack_from("<HHIQ", data, off)
+        arch = struct.unpack_from("<I", data, off + 28)[0]
+        out.append((kind, arch, data[off + ehs: off + ehs + psize]))
+        off += ehs + psize
+    return out
+
+
+def _elf_sm(cubin):
+    """The SM architecture an ELF cubin was built for, from its e_flags."""
+    assert cubin[:4] == b"\x7fELF"
+    flags = struct.unpack_from("<I", cubin, 48)[0]
+    abi_version = cubin[8]
+    return (flags >> 8) & 0xFF if abi_version >= 8 else flags & 0xFF
+
+
+@pytest.mark.skipif(_find_nvcc() is None or os.environ.get("AMPX_CUDA", "") == "0",
+                    reason="no nvcc: ampx is built without its CUDA kernels")
+def test_fatbin_was_built_into_the_package_with_every_arch():
+    path = ampx.cuda.fatbin_path()
+    assert os.path.dirname(path) == os.path.dirname(ampx.__file__)
+    assert os.path.isfile(path) and os.path.getsize(path) > 100_000, path
+    data = open(path, "rb").read()
+    entries = _fatbin_entries(data)
+    sass = sorted(arch for kind, arch, _ in entries if kind == 2)
+    ptx = sorted(arch for kind, arch, _ in entries if kind == 1)
+    assert sass == [80, 86, 89, 90], entries
+    assert ptx == [90]
+    for kind, arch, payload in entries:  # the container's arch agrees with each cubin's own
+        if kind == 2:
+            assert _elf_sm(payload) == arch
+    tool = shutil.which("cuobjdump") or (os.path.join(os.path.dirname(_find_nvcc()), "cuobjdump"))
+    if os.path.isfile(tool):
+        listing = subprocess.run([tool, "--list-elf", "--list-ptx", path], capture_output=True, text=True,
+                                 check=True).stdout
+        for a in ("sm_80", "sm_86", "sm_89", "sm_90"):
+            assert a in listing, listing
+        assert "compute_90" in listing or "sm_90.ptx" in listing, listing
+
+
+def test_cuda_entry_points_validate_before_the_driver():
+    """Bad input to the CUDA entry points is refused before any driver call (so the messages are
+    the same with or without a GPU), and a driver that cannot be used is an exception."""
+    mode = _C.MODE_SCALE | _C.MODE_WRITE | _C.MODE_CHECK
+    alloc = None
+    with pytest.raises(ValueError, match=r"tensors\[0\] is on cpu.*cuda:0"):
+        _C.cuda_scale_reduce("op", [torch.ones(3)], mode, 0.5, None, None, None, None, 0, 0, alloc)
+    with pytest.raises(TypeError, match=r"tensors\[0\] must be a torch.Tensor"):
+        _C.cuda_scale_reduce("op", [7], mode, 0.5, None, None, None, None, 0, 0, alloc)
+    with pytest.raises(ValueError, match=r"src\[0\] is on cpu"):
+        _C.cuda_cast("op", [torch.ones(2)], [torch.ones(2)], None, None, None, False, 0, 0, 0, 0, alloc)
+    with pytest.raises(ValueError, match=r"scale is on cpu"):
+        _C.cuda_update_scale(torch.ones(1), torch.zeros(1, dtype=torch.int32), None, torch.zeros(1), 2.0, 0.5,
+                             10, 1, False, 0.0, math.inf, None, 0, 0)
+    with pytest.raises(ValueError, match="no kernel for mode"):
+        _C.cuda_scale_reduce("op", [torch.ones(3)], 31 + 1, 0.5, None, None, None, None, 0, 0, alloc)
+    if not torch.cuda.is_available():
+        assert isinstance(_C.cuda_probe(0), str)
+        with pytest.raises((RuntimeError, ValueError)):
+            ampx.cuda.device_info(0)
+
+
+def test_cpu_call_with_a_cuda_tensor_names_it():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    with pytest.raises(ValueError, match=r"tensors\[1\] is on cuda:0.*CPU"):
+        ops.unscale_([torch.ones(3), torch.ones(3, device="cuda")], 0.5, torch.zeros(1))
+
+
+# ---- the launcher against a fake driver -------------------------------------------------
+
+_FAKE_DRIVER = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "cuda_driver.h"
+
+/* The driver calls cuda_launch.c makes, recorded: each launch replays the kernel's chunk-to-slot
+ * mapping (run_chunks in cuda/ampx_kernels.cu) and prints one line per chunk. */
+static int depth;
+int ampx_cu_push(const ampx_cu_dev *dev, ampx_cu_error *err) { (void)dev; (void)err; depth++; return 0; }
+int ampx_cu_pop(ampx_cu_error *err) { (void)err; depth--; return 0; }
+int ampx_cu_memset32(ampx_cu_deviceptr p, unsigned value, size_t count, ampx_cu_stream s, ampx_cu_error *err)
+{
+    (void)s; (void)err;
+    printf("memset %llu %u %zu %d\n", (unsigned long long)p, value, count, depth);
+    return 0;
+}
+int ampx_cu_launch(ampx_cu_function f, unsigned grid, unsigned block, ampx_cu_stream s, void *args,
+                   const char *what, ampx_cu_error *err)
+{
+    (void)f; (void)s; (void)what; (void)err;
+    const ampx_cu_args *a = (const ampx_cu_args *)args;
+    printf("launch %u %u %u %u %u %d %llu %llu %llu %llu %llu\n", grid, block, a->ntensors, a->nchunks,
+           a->chunk_base, depth, (unsigned long long)a->tcount, (unsigned long long)a->done,
+           (unsigned long long)a->partials, (unsigned long long)a->pt, (unsigned long long)a->flags_out);
+    for (uint32_t c = 0; c < a->nchunks; c++) {
+        int lo = 0, hi = (int)a->ntensors - 1;
+        while (lo < hi) {
+            int mid = (lo + hi + 1) >> 1;
+            if (a->first[mid] <= c) lo = mid; else hi = mid - 1;
+        }
+        uint32_t j = c - a->first[lo], nch = a->first[lo + 1] - a->first[lo];
+        int64_t start = (int64_t)j << AMPX_CU_CHUNK_LOG2;
+        int64_t len = a->numel[lo] - start;
+        if (len > AMPX_CU_CHUNK) len = AMPX_CU_CHUNK;
+        if (len < 0) len = 0;
+        printf("chunk %u %lld %lld %u %u %llu %d\n", a->index[lo], (long long)start, (long long)len,
+               a->chunk_base + a->first[lo] + j, nch, (unsigned long long)a->ptr[lo], a->dtype[lo]);
+    }
+    return 0;
+}
+
+int main(void)
+{
+    int n, with_flags, with_total, sequential;
+    if (scanf("%d %d %d %d", &n, &with_flags, &with_total, &sequential) != 4) return 2;
+    ampx_cu_tensor *ts = calloc((size_t)n + 1, sizeof *ts);
+    for (int i = 0; i < n; i++) {
+        long long numel; int dt;
+        if (scanf("%lld %d", &numel, &dt) != 2) return 2;
+        ts[i].numel = numel; ts[i].dtype = dt; ts[i].index = (uint32_t)i;
+        ts[i].ptr = 0x100000000ull * (uint64_t)(i + 1);
+    }
+    ampx_cu_job job; memset(&job, 0, sizeof job);
+    job.kind = AMPX_CU_SCALE; job.reduce = with_total ? 1 : 0; job.write = 1; job.scale = 1;
+    job.flags_out = with_flags ? 0xF1A60000ull : 0; job.total_out = with_total ? 0x7074000ull : 0;
+    int64_t chunks = 0;
+    int64_t bytes = ampx_cu_workspace_bytes(&job, ts, n, &chunks);
+    printf("ws %lld %lld\n", (long long)bytes, (long long)chunks);
+    static ampx_cu_dev dev;
+    dev.scale[job.reduce][1][1] = (ampx_cu_function)&dev; /* any non-NULL */
+    static ampx_cu_launcher L;
+    ampx_cu_error err;
+    uint64_t ws = bytes > 0 ? 0x5000000000ull : 0;
+    if (ampx_cu_begin(&L, &dev, NULL, &job, n, chunks, ws, &err)) { printf("error %s\n", err.msg); return 1; }
+    for (int i = 0; i < n; i++) {
+        if (ampx_cu_add(&L, &ts[i], &err)) { printf("error %s\n", err.msg); return 1; }
+        if (sequential && ampx_cu_flush(&L, &err)) { printf("error %s\n", err.msg); return 1; }
+    }
+    if (ampx_cu_flush(&L, &err)) { printf("error %s\n", err.msg); return 1; }
+    printf("end %d\n", depth);
+    free(ts);
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_launcher(tmp_path_factory):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    d = tmp_path_factory.mktemp("fake_launcher")
+    src = d / "fake.c"
+    src.write_text(_FAKE_DRIVER)
+    exe = d / "fake"
+    subprocess.run([cc, "-std=c11", "-O1", "-Wall", "-Werror", "-I", os.path.join(ROOT, "csrc"), str(src),
+                    os.path.join(ROOT, "csrc", "cuda_launch.c"), "-o", str(exe)], check=True)
+    return str(exe)
+
+
+def _run_fake(exe, numels, flags, total, sequential, dtypes=None):
+    dtypes = dtypes or [0] * len(numels)
+    inp = f"{len(numels)} {int(flags)} {int(total)} {int(sequential)}\n" + "".join(
+        f"{n} {dt}\n" for n, dt in zip(numels, dtypes))
+    out = subprocess.run([exe], input=inp, capture_output=True, text=True, check=True).stdout.split("\n")
+    return [line.split() for line in out if line]
+
+
+@pytest.mark.parametrize("case", ["small", "launch_edges", "big", "empties", "mixed"])
+@pytest.mark.parametrize("outputs", ["none", "flags", "total"])
+@pytest.mark.parametrize("sequential", [False, True])
+def test_launcher_covers_every_element_once(fake_launcher, case, outputs, sequential):
+    rng = np.random.default_rng(len(case) * 7 + len(outputs) + sequential)
+    if case == "small":
+        numels = [1, 5, 1000]
+    elif case == "launch_edges":
+        numels = [int(rng.integers(1, 300)) for _ in range(2 * MAX_T + 3)]
+    elif case == "big":
+        numels = [CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5, (1 << 31) + 3, 17]
+    elif case == "empties":
+        numels = [0, 0, 5, 0, CHUNK + 1, 0]
+    else:
+        numels = [int(rng.integers(0, 3 * CHUNK)) for _ in range(300)]
+    with_ws = outputs != "none"
+    rows = _run_fake(fake_launcher, numels, outputs == "flags", outputs == "total", sequential)
+    assert rows[0][0] == "ws", rows[:3]
+    ws_bytes, nchunks_ws = int(rows[0][1]), int(rows[0][2])
+    assert rows[-1] == ["end", "0"]  # every push popped
+    expected_chunks = [max(1 if with_ws else 0, -(-n // CHUNK)) for n in numels]
+    if with_ws:
+        assert nchunks_ws == sum(expected_chunks)
+        assert ws_bytes >= 4 * (len(numels) + 1) + 16 * nchunks_ws + 8 * len(numels)
+    else:
+        assert ws_bytes == 0
+    memsets = [r for r in rows if r[0] == "memset"]
+    if with_ws:
+        assert len(memsets) == 1 and int(memsets[0][3]) == len(numels) + 1 and memsets[0][2] == "0"
+        assert memsets[0][4] == "1"  # inside a pushed context
+    else:
+        assert memsets == []
+    covered = {i: [] for i in range(len(numels))}
+    slots = set()
+    launches = [r for r in rows if r[0] == "launch"]
+    chunk_base = 0
+    for r in rows:
+        if r[0] == "launch":
+            grid, block, ntensors, nch, base, depth = (int(x) for x in r[1:7])
+            assert block == BLOCK and depth == 1
+            assert 1 <= ntensors <= MAX_T and grid == min(nch, 1 << 20)
+            assert base == chunk_base
+            chunk_base += nch
+            if sequential:
+                assert ntensors == 1
+            if with_ws:
+                tcount, done, partials, pt = (int(x) for x in r[7:11])
+                ws = 0x5000000000
+                assert tcount == ws and done == ws + 4 * len(numels)
+                assert partials >= done + 4 and partials % 16 == 0
+                assert pt == partials + 16 * nchunks_ws
+                assert pt + 8 * len(numels) <= ws + ws_bytes
+        elif r[0] == "chunk":
+            idx, start, length, pslot, nch = (int(x) for x in r[1:6])
+            assert int(r[6]) == 0x100000000 * (idx + 1)
+            covered[idx].append((start, length))
+            assert nch == expected_chunks[idx]
+            if with_ws:
+                assert pslot not in slots and pslot < nchunks_ws
+                slots.add(pslot)
+    assert len(launches) >= (1 if sum(expected_chunks) else 0)
+    for i, n in enumerate(numels):
+        spans = sorted(covered[i])
+        if n == 0:
+            assert spans == ([(0, 0)] if with_ws else []), (i, spans)
+            continue
+        pos = 0
+        for start, length in spans:
+            assert start == pos and 0 < length <= CHUNK, (i, spans[:3])
+            pos += length
+        assert pos == n
+
+
+# ---- the stochastic-rounding hash, reimplemented --------------------------------------------
+
+M32 = 0xFFFFFFFF
+
+
+def _mix32(x):
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & M32
+    x ^= x >> 16
+    return x
+
+
+def _sr_key(seed, offset, tensor, e_hi):
+    h = _mix32(e_hi ^ 0x9E3779B9)
+    h = _mix32(h ^ tensor)
+    h = _mix32(h ^ (offset & M32))
+    h = _mix32(h ^ (offset >> 32))
+    h = _mix32(h ^ (seed & M32))
+    a = _mix32(h ^ (seed >> 32))
+    return a, _mix32(a ^ 0x85EBCA6B)
+
+
+def sr_reference(value_f32, seed, offset, tensor, e):
+    """The bfloat16 bits ampx's stochastic rounding stores for a finite float32 value at element
+    e of tensor `tensor` (csrc/ampx_numerics.h, independently written)."""
+    a, b = _sr_key(seed, offset, tensor, e >> 32)
+    rnd = _mix32(_mix32((e & M32) ^ a) ^ b)
+    u = int(np.array([value_f32], dtype=np.float32).view(np.uint32)[0])
+    return ((u + (rnd & 0xFFFF)) & M32) >> 16
+
+
+def test_sr_reference_matches_ampx_cpu():
+    rng = np.random.default_rng(5)
+    x = torch.from_numpy(rng.standard_normal(3000).astype(np.float32))
+    for seed, offset in ((0, 0), (123, 9), (2**64 - 1, 2**63 + 5)):
+        d = [torch.empty(5, dtype=torch.bfloat16), torch.empty(3000, dtype=torch.bfloat16)]
+        ops.cast_([x[:5].clone(), x], d, rounding="stochastic", seed=seed, offset=offset)
+        got = d[1].view(torch.int16).numpy().astype(np.uint16)
+        for e in (0, 1, 2, 777, 2999):
+            assert got[e] == sr_reference(float(x[e]), seed, offset, 1, e), (seed, offset, e)
+
+
+# ---- the kernels themselves, emulated on the CPU ---------------------------------------------
+#
+# cuda/emulate.h compiles cuda/ampx_kernels.cu as C++ with one thread per CUDA thread (blocks of
+# EMU_BLOCK threads, one block at a time, barriers for __syncthreads and the warp shuffles);
+# cuda/emulate_driver.cpp runs them through the real launcher (csrc/cuda_launch.c) over an
+# "arena" of bytes standing for device memory. Float16/bfloat16 conversions there are
+# ampx_numerics.h's, so stored values must equal the CPU's bit for bit (NaN payloads too).
+
+EMU_BLOCK = 64
+
+
+def _build_emulator(d, block):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cxx is None or cc is None:
+        pytest.skip("no C/C++ compiler")
+    csrc, cuda = os.path.join(ROOT, "csrc"), os.path.join(ROOT, "cuda")
+    flags = [f"-DAMPX_CU_BLOCK={block}", "-I", csrc, "-I", cuda, "-O1", "-pthread"]
+    objs = []
+    for lang, src in (("c++", os.path.join(cuda, "ampx_kernels.cu")), ("c++", os.path.join(cuda, "emulate_driver.cpp")),
+                      ("c", os.path.join(csrc, "cuda_launch.c"))):
+        obj = str(d / (os.path.basename(src) + ".o"))
+        if lang == "c":
+            cmd = [cc, "-std=c11"] + flags + ["-c", src, "-o", obj]
+        else:
+            cmd = [cxx, "-std=c++17", "-ffp-contract=off", "-Wno-unknown-pragmas", "-DAMPX_CUDA_EMULATION",
+                   "-include", os.path.join(cuda, "emulate.h")] + flags + ["-x", "c++", "-c", src, "-o", obj]
+        subprocess.run(cmd, check=True)
+        objs.append(obj)
+    exe = str(d / f"emulate{block}")
+    subprocess.run([cxx, "-pthread"] + objs + ["-o", exe], check=True)
+    return exe
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    return Emulator(_build_emulator(tmp_path_factory.mktemp("emu"), EMU_BLOCK), EMU_BLOCK,
+                    tmp_path_factory.mktemp("emu_run"))
+
+
+@pytest.fixture(scope="module")
+def emulator_full(tmp_path_factory):
+    """The emulator at the real block size."""
+    return Emulator(_build_emulator(tmp_path_factory.mktemp("emu_full"), BLOCK), BLOCK,
+                    tmp_path_factory.mktemp("emu_full_run"))
+
+
+class Arena:
+    """Bytes standing for device memory; regions 256-byte aligned, plus an optional offset."""
+
+    def __init__(self):
+        self.buf = bytearray()
+
+    def put(self, data, mis=0):
+        off = (len(self.buf) + 255) // 256 * 256 + mis
+        self.buf += b"\0" * (off - len(self.buf)) + bytes(data)
+        return off
+
+    def tensor(self, t, mis_elems=0):
+        flat = t.detach().reshape(-1).contiguous()
+        data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+        return self.put(data, mis_elems * flat.element_size())
+
+    @staticmethod
+    def read(buf, off, dtype, n):
+        if n == 0:
+            return torch.empty(0, dtype=dtype)
+        es = torch.empty(0, dtype=dtype).element_size()
+        return torch.frombuffer(bytearray(buf[off:off + n * es]), dtype=dtype).clone()
+
+
+DT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+
+
+class Emulator:
+    def __init__(self, exe, block, workdir):
+        self.exe, self.block, self.dir = exe, block, str(workdir)
+
+    def run(self, job, arena):
+        jp, ap = os.path.join(self.dir, "job"), os.path.join(self.dir, "arena")
+        with open(jp, "w") as f:
+            f.write(job)
+        with open(ap, "wb") as f:
+            f.write(bytes(arena.buf) + b"\0" * 256)
+        r = subprocess.run([self.exe, jp, ap], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        return open(ap, "rb").read()
+
+    def scale(self, tensors, *, reduce=0, write=False, scale=False, factor=1.0, factor_dev=False, found=False,
+              flags=False, per=False, total=False, sequential=False, grid_cap=0, mis=0):
+        ar = Arena()
+        offs = [ar.tensor(t, mis) for t in tensors]
+        n = len(tensors)
+        fo = ar.put(struct.pack("<f", factor)) if factor_dev else -1
+        found_o = ar.put(b"\0" * 4) if found else -1
+        flags_o = ar.put(b"\xff" * n) if flags else -1
+        per_o = ar.put(b"\xee" * 4 * n) if per else -1
+        total_o = ar.put(b"\xee" * 4) if total else -1
+        job = (f"scale {reduce} {int(write)} {int(scale)} {float(factor).hex()} {fo} {found_o} {flags_o} {per_o} "
+               f"{total_o} {int(sequential)} {grid_cap} {n}\n")
+        job += "".join(f"{DT_CODE[t.dtype]} 0 {t.numel()} {o} -1\n" for t, o in zip(tensors, offs))
+        buf = self.run(job, ar)
+        out = {"tensors": [Arena.read(buf, o, t.dtype, t.numel()).reshape(t.shape) for t, o in zip(tensors, offs)]}
+        out["found"] = Arena.read(buf, found_o, torch.float32, 1) if found else None
+        out["flags"] = Arena.read(buf, flags_o, torch.uint8, n) if flags else None
+        out["per"] = Arena.read(buf, per_o, torch.float32, n) if per else None
+        out["total"] = Arena.read(buf, total_o, torch.float32, 1)[0] if total else None
+        return out
+
+    def cast(self, srcs, dst_dtypes, *, factor=1.0, factor_dev=False, stochastic=False, seed=0, offset=0,
+             found=False, flags=False, grid_cap=0, mis_src=0, mis_dst=0):
+        ar = Arena()
+        so = [ar.tensor(t, mis_src) for t in srcs]
+        dsts = [torch.full((t.numel(),), 7.0, dtype=dt) for t, dt in zip(srcs, dst_dtypes)]
+        do = [ar.tensor(t, mis_dst) for t in dsts]
+        n = len(srcs)
+        fo = ar.put(struct.pack("<f", factor)) if factor_dev else -1
+        found_o = ar.put(b"\0" * 4) if found else -1
+        flags_o = ar.put(b"\xff" * n) if flags else -1
+        job = (f"cast {int(stochastic)} {seed} {offset} {float(factor).hex()} {fo} {found_o} {flags_o} {grid_cap} "
+               f"{n}\n")
+        job += "".join(f"{DT_CODE[d.dtype]} {DT_CODE[s.dtype]} {s.numel()} {o2} {o1}\n"
+                       for s, d, o1, o2 in zip(srcs, dsts, so, do))
+        buf = self.run(job, ar)
+        out = {"dsts": [Arena.read(buf, o, d.dtype, d.numel()) for d, o in zip(dsts, do)],
+               "srcs": [Arena.read(buf, o, s.dtype, s.numel()) for s, o in zip(srcs, so)]}
+        out["found"] = Arena.read(buf, found_o, torch.float32, 1) if found else None
+        out["flags"] = Arena.read(buf, flags_o, torch.uint8, n) if flags else None
+        return out
+
+
+def _emu_sizes(block, big=True):
+    edges = {m * w * block for w in (2, 4, 8) for m in (1, 4)}
+    sizes = set(SMALL_SIZES) | {e + d for e in edges for d in (-1, 0, 1)}
+    if big:
+        sizes |= {CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 1}
+    return sorted(sizes)
+
+
+_REDUCE_ORD = {1: 2.0, 2: 1.0, 3: math.inf}
+_EMU_MODES = {
+    # name: (reduce, write, scale, check)
+    "unscale_": (0, True, True, True),
+    "mul_": (0, True, True, False),
+    "check_finite": (0, False, False, True),
+    "norm2": (1, False, False, True),
+    "norm1": (2, False, False, True),
+    "norminf": (3, False, False, True),
+    "norm2_factor": (1, False, True, True),
+    "norm1_factor": (2, False, True, True),
+    "norminf_factor": (3, False, True, True),
+    "unscale_norm2": (1, True, True, True),
+    "unscale_norm1": (2, True, True, True),
+    "unscale_norminf": (3, True, True, True),
+}
+
+
+def _cpu_same_call(name, tensors, factor):
+    """ampx's CPU op for an _EMU_MODES entry: (tensors after, found, flags, per, total)."""
+    reduce, write, scale, check = _EMU_MODES[name]
+    c = clones(tensors)
+    found = torch.zeros(1)
+    flags = torch.zeros(len(c), dtype=torch.uint8)
+    total = per = None
+    f = torch.tensor([factor])
+    if name == "unscale_":
+        ops.unscale_(c, f, found, flags=flags)
+    elif name == "mul_":
+        ops.mul_(c, f)
+    elif name == "check_finite":
+        ops.check_finite(c, found, flags=flags)
+    elif write:
+        total, per = ops.unscale_norm_(c, f, found, ord=_REDUCE_ORD[reduce], flags=flags, per_tensor=True)
+    else:
+        total, per = ops.norm(c, _REDUCE_ORD[reduce], factor=f if scale else None, found_inf=found, flags=flags,
+                              per_tensor=True)
+    return c, found, flags, per, total
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
+@pytest.mark.parametrize("name", list(_EMU_MODES))
+def test_emulated_kernels_match_cpu(emulator, dtype, name, rng):
+    reduce, write, scale, check = _EMU_MODES[name]
+    make = finite_values if reduce and not write and rng.random() < 0.5 else special_values
+    tensors = [make(dtype, n, rng) for n in _emu_sizes(emulator.block)]
+    factor = 0.37
+    got = emulator.scale(tensors, reduce=reduce, write=write, scale=scale, factor=factor, factor_dev=True,
+                         found=check, flags=check, per=reduce > 0, total=reduce > 0)
+    c, found, flags, per, total = _cpu_same_call(name, tensors, factor)
+    for i, (a, b) in enumerate(zip(got["tensors"], c)):
+        assert_exactly_equal(a, b, f"{name} tensor {i} (n={b.numel()})")
+    if check:
+        assert got["flags"].tolist() == flags.tolist() == expected_flags(tensors)
+        assert got["found"].item() == found.item()
+    if reduce:
+        assert_same_float(got["total"], total, "total")
+        for i, (a, b) in enumerate(zip(got["per"].tolist(), per.tolist())):
+            assert_same_float(a, b, f"per[{i}]")
+        stored = c if write else ([unscale_ref(t, factor) for t in tensors] if scale else tensors)
+        total_ref, per_ref = norm_ref64(stored, _REDUCE_ORD[reduce])
+        assert_norm_close(float(got["total"]), total_ref)
+        for a, r in zip(got["per"].tolist(), per_ref):
+            assert_norm_close(a, r)
+    if reduce:
+        # the same bits whatever the alignment (scalar path), the grid (blocks looping over
+        # chunks), and one launch per tensor
+        for kw in ({"mis": 1}, {"grid_cap": 3}, {"sequential": True}):
+            if kw.get("mis") and dtype == torch.float64:
+                kw = {"mis": 1}  # 8 bytes: still not 16-byte aligned
+            other = emulator.scale(tensors, reduce=reduce, write=write, scale=scale, factor=factor, factor_dev=True,
+                                   per=True, total=True, **kw)
+            assert_exactly_equal(other["per"], got["per"], f"{kw}")
+            assert_exactly_equal(other["total"], got["total"], f"{kw}")
+            for a, b in zip(other["tensors"], c):
+                assert_exactly_equal(a, b)
+    if name == "unscale_":  # the path without workspace: found_inf only
+        fo = emulator.scale(tensors, write=True, scale=True, factor=factor, factor_dev=True, found=True)
+        assert fo["found"].item() == found.item()
+        for a, b in zip(fo["tensors"], c):
+            assert_exactly_equal(a, b)
+
+
+@pytest.mark.parametrize("src", FLOAT_DTYPES, ids=dt_id)
+@pytest.mark.parametrize("dst", FLOAT_DTYPES, ids=dt_id)
+def test_emulated_cast_matches_cpu(emulator, src, dst, rng):
+    sizes = _emu_sizes(emulator.block, big=False) + [CHUNK + 3]
+    srcs = [special_values(src, n, rng) for n in sizes]
+    for factor, mis in ((1.0, (0, 0)), (0.37, (1, 0)), (2.0**-10, (0, 3))):
+        got = emulator.cast(srcs, [dst] * len(srcs), factor=factor, factor_dev=factor != 1.0, found=True, flags=True,
+                            mis_src=mis[0], mis_dst=mis[1])
+        dc = [torch.full((t.numel(),), 7.0, dtype=dst) for t in srcs]
+        found = torch.zeros(1)
+        flags = torch.zeros(len(srcs), dtype=torch.uint8)
+        ops.cast_(srcs, dc, inv_scale=None if factor == 1.0 else torch.tensor([factor]), found_inf=found, flags=flags)
+        for i, (a, b) in enumerate(zip(got["dsts"], dc)):
+            assert_exactly_equal(a, b, f"n={sizes[i]} factor={factor} mis={mis}")
+        for a, b in zip(got["srcs"], srcs):
+            assert_exactly_equal(a, b.reshape(-1), "source changed")
+        assert got["flags"].tolist() == flags.tolist()
+        assert got["found"].item() == found.item()
+
+
+@pytest.mark.parametrize("src", [torch.float32, torch.float64, torch.bfloat16], ids=dt_id)
+def test_emulated_stochastic_rounding_matches_cpu(emulator, src, rng):
+    sizes = _emu_sizes(emulator.block, big=False) + [2 * CHUNK + 5]
+    srcs = [special_values(src, n, rng) for n in sizes]
+    for seed, offset, cap in ((0, 0, 0), (123, 9, 2), (2**64 - 1, 2**63 + 5, 0)):
+        got = emulator.cast(srcs, [torch.bfloat16] * len(srcs), factor=0.5, stochastic=True, seed=seed, offset=offset,
+                            grid_cap=cap)
+        dc = [torch.empty(t.numel(), dtype=torch.bfloat16) for t in srcs]
+        ops.cast_(srcs, dc, inv_scale=0.5, rounding="stochastic", seed=seed, offset=offset)
+        for i, (a, b) in enumerate(zip(got["dsts"], dc)):
+            assert_exactly_equal(a, b, f"n={sizes[i]} seed={seed}")
+
+
+@pytest.mark.parametrize("count", [MAX_T - 1, MAX_T, MAX_T + 1, 2 * MAX_T + 1])
+def test_emulated_launch_splits_and_empty_tensors(emulator, count, rng):
+    tensors = rand_list(rng, count, 2 * emulator.block)
+    tensors[count // 2] = torch.empty(0)
+    tensors[-1] = torch.empty(0, dtype=torch.float16)
+    got = emulator.scale(tensors, reduce=1, write=True, scale=True, factor=0.5, found=True, flags=True, per=True,
+                         total=True)
+    c, found, flags, per, total = _cpu_same_call("unscale_norm2", tensors, 0.5)
+    for a, b in zip(got["tensors"], c):
+        assert_exactly_equal(a, b)
+    assert got["flags"].tolist() == flags.tolist()
+    assert got["found"].item() == found.item()
+    assert_same_float(got["total"], total)
+    for a, b in zip(got["per"].tolist(), per.tolist()):
+        assert_same_float(a, b)
+    assert got["per"][count // 2].item() == 0.0 and got["flags"][-1].item() == 0
+
+
+def test_emulated_update_scale_matches_cpu(emulator, rng):
+    for hysteresis, consecutive, lo, hi in ((1, 0, 0.0, math.inf), (3, 0, 2.0**10, 2.0**18), (2, 1, 0.0, 2.0**20)):
+        cs, ct, ch = torch.full((1,), 2.0**16), torch.zeros(1, dtype=torch.int32), torch.full((1,), hysteresis,
+                                                                                              dtype=torch.int32)
+        state = (2.0**16, 0, hysteresis)
+        for step in range(40):
+            f = float(rng.random() < 0.3)
+            cev = ops._update_scale_events(cs, ct, torch.tensor([f]), 2.0, 0.5, 3, hysteresis,
+                                           ch if hysteresis > 1 else None, bool(consecutive), lo, hi)
+            ar = Arena()
+            so = ar.put(struct.pack("<f", state[0]))
+            to = ar.put(struct.pack("<i", state[1]))
+            ho = ar.put(struct.pack("<i", state[2])) if hysteresis > 1 else -1
+            fo = ar.put(struct.pack("<f", f))
+            eo = ar.put(struct.pack("<i", -1))
+            buf = emulator.run(f"update {so} {to} {ho} {fo} {eo} {2.0.hex()} {0.5.hex()} 3 {hysteresis} {consecutive} "
+                               f"{lo.hex() if math.isfinite(lo) else 'inf'} {hi.hex() if math.isfinite(hi) else 'inf'}\n",
+                               ar)
+            s = struct.unpack_from("<f", buf, so)[0]
+            t = struct.unpack_from("<i", buf, to)[0]
+            h = struct.unpack_from("<i", buf, ho)[0] if hysteresis > 1 else hysteresis
+            ev = struct.unpack_from("<i", buf, eo)[0]
+            assert (s, t, ev) == (cs.item(), ct.item(), cev), step
+            if hysteresis > 1:
+                assert h == ch.item()
+            state = (s, t, h)
+
+
+def test_emulated_kernels_at_full_block_size(emulator_full, rng):
+    """The real block size on the boundaries it defines."""
+    emu = emulator_full
+    tensors = [special_values(dt, n, rng) for dt in (torch.float32, torch.bfloat16)
+               for n in _emu_sizes(emu.block, big=False) if n > 1000] + [finite_values(torch.float16, CHUNK + 9, rng)]
+    got = emu.scale(tensors, reduce=1, write=True, scale=True, factor=0.37, factor_dev=True, found=True,
+                            flags=True, per=True, total=True)
+    c, found, flags, per, total = _cpu_same_call("unscale_norm2", tensors, 0.37)
+    for a, b in zip(got["tensors"], c):
+        assert_exactly_equal(a, b)
+    assert got["flags"].tolist() == flags.tolist()
+    assert_same_float(got["total"], total)
+    for a, b in zip(got["per"].tolist(), per.tolist()):
+        assert_same_float(a, b)
+    srcs = [finite_values(torch.float32, n, rng) for n in (4095, 4096, 4097, CHUNK + 1)]
+    sr = emu.cast(srcs, [torch.bfloat16] * 4, stochastic=True, seed=5, offset=6)
+    dc = [torch.empty(t.numel(), dtype=torch.bfloat16) for t in srcs]
+    ops.cast_(srcs, dc, rounding="stochastic", seed=5, offset=6)
+    for a, b in zip(sr["dsts"], dc):
+        assert_exactly_equal(a, b)
+
+
+# ================================================================= on a GPU ==
+
+
+def cpu_and_gpu(fn, tensors, *args, **kwargs):
+    """Runs fn on CPU copies and on CUDA copies of `tensors`; returns both lists (on the CPU)."""
+    c = clones(tensors)
+    g = dev(tensors)
+    rc = fn(c, *args, **kwargs)
+    rg = fn(g, *args, **kwargs)
+    return c, host(g), rc, rg
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
+def test_cuda_unscale_every_size(dtype, rng):
+    tensors = [special_values(dtype, n, rng) for n in CUDA_SIZES]
+    origs = clones(tensors)
+    inv = 0.37
+    g = dev(tensors)
+    found = torch.zeros(1, device="cuda")
+    flags = torch.full((len(g),), 0xFF, dtype=torch.uint8, device="cuda")
+    ops.unscale_(g, torch.tensor([inv], device="cuda"), found, flags=flags)
+    cpu = clones(origs)
+    cfound = torch.zeros(1)
+    cflags = torch.zeros(len(cpu), dtype=torch.uint8)
+    ops.unscale_(cpu, torch.tensor([inv]), cfound, flags=cflags)
+    for i, (a, c, o) in enumerate(zip(host(g), cpu, origs)):
+        assert_bits_equal(a, unscale_ref(o, torch.tensor([inv])), f"n={o.numel()}")
+        assert_bits_equal(a, c, f"n={o.numel()} vs ampx CPU")
+    assert flags.tolist() == cflags.tolist() == expected_flags(origs)
+    assert found.item() == cfound.item() == (1.0 if any_nonfinite(origs) else 0.0)
+    if dtype != torch.bfloat16:  # torch's CUDA kernel refuses bfloat16 (pytorch issue 127176)
+        ref = dev(origs)
+        rf = torch.zeros(1, device="cuda")
+        torch._amp_foreach_non_finite_check_and_unscale_(ref, rf, torch.tensor([inv], device="cuda"))
+        for a, r in zip(host(g), host(ref)):
+            assert_bits_equal(a, r, "vs torch._amp_foreach_non_finite_check_and_unscale_ on CUDA")
+        assert rf.item() == found.item()
+    # one tensor per call: every size alone, found_inf only (the path without workspace)
+    for o in origs[::3]:
+        x = o.to("cuda")
+        fi = torch.zeros(1, device="cuda")
+        ops.unscale_(x, inv, fi)
+        assert_bits_equal(x.cpu(), unscale_ref(o, inv))
+        assert fi.item() == (1.0 if any_nonfinite([o]) else 0.0)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
+@pytest.mark.parametrize("inv", [4.0, 2.0**-20, 0.0, -1.5, math.inf, math.nan])
+def test_cuda_unscale_overflow_underflow_zero_negative(dtype, inv, rng):
+    x = special_values(dtype, 5000, rng, p_special=0.4)
+    g = x.to("cuda")
+    found = torch.zeros(1, device="cuda")
+    ops.unscale_(g, inv, found)
+    assert_bits_equal(g.cpu(), unscale_ref(x, inv))
+    assert found.item() == (1.0 if any_nonfinite([x]) else 0.0)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
+def test_cuda_misaligned_views_take_the_scalar_path_with_the_same_bits(dtype, rng):
+    base = finite_values(dtype, 3 * CHUNK + 200, rng).to("cuda")
+    for k in (1, 2, 3, 5):
+        v = base[k:k + 2 * CHUNK + 77]
+        if v.data_ptr() % 16 == 0:
+            continue
+        aligned = v.clone()  # a fresh allocation: 16-byte aligned
+        assert aligned.data_ptr() % 16 == 0
+        for ord in ORDS:
+            a = ops.norm([v], ord, factor=0.37, per_tensor=True)
+            b = ops.norm([aligned], ord, factor=0.37, per_tensor=True)
+            assert_exactly_equal(a[0].cpu(), b[0].cpu(), f"k={k} ord={ord}")
+            assert_exactly_equal(a[1].cpu(), b[1].cpu())
+        ref = unscale_ref(v.cpu(), 0.37)
+        ops.unscale_(v, 0.37, None)
+        assert_bits_equal(v.cpu(), ref)
+        d = torch.empty(v.numel(), dtype=torch.float32, device="cuda")[1:]
+        src = base[k + 1:k + 1 + d.numel()]
+        ops.cast_(src, d, inv_scale=0.5)
+        assert_bits_equal(d.cpu(), (src.cpu().double() * 0.5).to(torch.float32) if dtype == torch.float64
+                          else (src.cpu().float() * 0.5))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
+@pytest.mark.parametrize("ord", ORDS)
+def test_cuda_norm_against_float64_and_cpu(dtype, ord, rng):
+    tensors = [finite_values(dtype, n, rng) for n in CUDA_SIZES]
+    g = dev(tensors)
+    for factor in (None, 0.37, "tensor"):
+        fg = torch.tensor([0.37], device="cuda") if factor == "tensor" else factor
+        fc = torch.tensor([0.37]) if factor == "tensor" else factor
+        total, per = ops.norm(g, ord, factor=fg, per_tensor=True)
+        assert total.device.type == "cuda" and per.device.type == "cuda"
+        ctotal, cper = ops.norm(tensors, ord, factor=fc, per_tensor=True)
+        stored = [unscale_ref(t, fc) for t in tensors] if factor is not None else tensors
+        total_ref, per_ref = norm_ref64(stored, ord)
+        assert_norm_close(total.item(), total_ref, msg=f"factor={factor}")
+        assert_same_float(total.item(), ctotal.item(), "vs ampx CPU")
+        for i, (a, c, r) in enumerate(zip(per.tolist(), cper.tolist(), per_ref)):
+            assert_norm_close(a, r, msg=f"per[{i}]")
+            assert_same_float(a, c, f"per[{i}] vs ampx CPU")
+    # ord=2 against torch's CUDA norms too
+    if ord == 2.0 and dtype != torch.float64:
+        tn = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([t.float() for t in g if t.numel()])), 2)
+        assert_norm_close(ops.norm(g, 2).item(), float(tn), rel=1e-5)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
+@pytest.mark.parametrize("ord", ORDS)
+def test_cuda_norm_nonfinite_and_huge(dtype, ord, rng):
+    fi = torch.finfo(dtype)
+    for n in (1, 9, 4097, CHUNK + 3):
+        for kind in (math.inf, -math.inf, math.nan):
+            for pos in (0, n // 2, n - 1):
+                t = finite_values(dtype, n, rng)
+                t[pos] = kind
+                clean = torch.randn(20).to(dtype)
+                total, per = ops.norm(dev([clean, t]), ord, per_tensor=True)
+                if math.isnan(kind):
+                    assert math.isnan(total.item()) and math.isnan(per[1].item()), (n, pos, ord)
+                else:
+                    assert total.item() == math.inf and per[1].item() == math.inf, (n, pos, ord)
+                assert math.isfinite(per[0].item())
+    big = torch.full((5000,), fi.max, dtype=dtype)
+    total_ref, _ = norm_ref64([big], ord)
+    got = ops.norm(big.to("cuda"), ord).item()
+    assert_norm_close(got, total_ref)
+    tiny = torch.full((5000,), fi.smallest_normal * fi.eps, dtype=dtype)  # subnormals
+    assert_norm_close(ops.norm(tiny.to("cuda"), ord).item(), norm_ref64([tiny], ord)[0])
+
+
+@gpu
+def test_cuda_norm_accumulates_in_float64():
+    x = torch.ones(2**24 + 3, device="cuda")
+    assert ops.norm([x], 1).item() == f32(2**24 + 3)
+    y = torch.full((1000,), 1e-25, device="cuda")
+    assert_norm_close(ops.norm([y], 2).item(), math.sqrt(1000) * 1e-25)
+    z = torch.tensor([3e-39, 4e-39], dtype=torch.float64, device="cuda")
+    assert_norm_close(ops.norm([z], 2).item(), 5e-39)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
+@pytest.mark.parametrize("ord", ORDS)
+def test_cuda_unscale_norm_equals_unscale_then_norm(dtype, ord, rng):
+    for make in (finite_values, special_values):
+        tensors = [make(dtype, n, rng) for n in CUDA_SIZES]
+        origs = clones(tensors)
+        g = dev(tensors)
+        found = torch.zeros(1, device="cuda")
+        flags = torch.zeros(len(g), dtype=torch.uint8, device="cuda")
+        total, per = ops.unscale_norm_(g, torch.tensor([0.37], device="cuda"), found, ord=ord, flags=flags,
+                                       per_tensor=True)
+        for i, (t, o) in enumerate(zip(host(g), origs)):
+            assert_bits_equal(t, unscale_ref(o, torch.tensor([0.37])), f"tensor {i}")
+        total_ref, per_ref = norm_ref64(host(g), ord)
+        assert_norm_close(total.item(), total_ref)
+        for a, r in zip(per.tolist(), per_ref):
+            assert_norm_close(a, r)
+        t2, p2 = ops.norm(g, ord, per_tensor=True)  # the very bits norm() gives on the stored values
+        assert_bits_equal(total.cpu(), t2.cpu())
+        assert_bits_equal(per.cpu(), p2.cpu())
+        t3, p3 = ops.norm(dev(origs), ord, factor=torch.tensor([0.37], device="cuda"), per_tensor=True)
+        if make is finite_values:
+            assert_exactly_equal(total.cpu(), t3.cpu())
+            assert_exactly_equal(per.cpu(), p3.cpu())
+        assert flags.tolist() == expected_flags(origs)
+        assert found.item() == (1.0 if any_nonfinite(origs) else 0.0)
+
+
+@gpu
+def test_cuda_norm_of_nan_products_is_nan():
+    for ord in ORDS:
+        x = torch.full((40,), 3.0, device="cuda")
+        x[20] = math.inf
+        assert math.isnan(ops.norm([x], ord, factor=0.0).item())
+        assert math.isnan(ops.norm([torch.ones(5, device="cuda")], ord, factor=math.nan).item())
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
+def test_cuda_mul_every_size(dtype, rng):
+    tensors = [special_values(dtype, n, rng) for n in CUDA_SIZES]
+    for f in (2.5, 0.1, 65536.0, -0.75, 1e-8):
+        g = dev(tensors)
+        ops.mul_(g, f)
+        for a, o in zip(host(g), tensors):
+            assert_bits_equal(a, unscale_ref(o, f), f"n={o.numel()} factor={f}")
+    g = dev(tensors)
+    ops.mul_(g, torch.tensor([1.75], device="cuda"))
+    for a, o in zip(host(g), tensors):
+        assert_bits_equal(a, unscale_ref(o, 1.75))
+    g = dev(tensors)
+    ops.mul_(g, torch.tensor([1.75]))  # a CPU factor tensor: its value, read now
+    for a, o in zip(host(g), tensors):
+        assert_bits_equal(a, unscale_ref(o, 1.75))
+
+
+@gpu
+@pytest.mark.parametrize("src_dtype", FLOAT_DTYPES, ids=dt_id)
+@pytest.mark.parametrize("dst_dtype", FLOAT_DTYPES, ids=dt_id)
+def test_cuda_cast_every_pair_matches_cpu(src_dtype, dst_dtype, rng):
+    srcs = [special_values(src_dtype, n, rng) for n in CUDA_SIZES]
+    for inv in (None, 0.37, "tensor"):
+        ig = torch.tensor([0.37], device="cuda") if inv == "tensor" else inv
+        ic = torch.tensor([0.37]) if inv == "tensor" else inv
+        dg = [torch.full((s.numel(),), 7.0, dtype=dst_dtype, device="cuda") for s in srcs]
+        dc = [torch.full((s.numel(),), 7.0, dtype=dst_dtype) for s in srcs]
+        found = torch.zeros(1, device="cuda")
+        flags = torch.zeros(len(srcs), dtype=torch.uint8, device="cuda")
+        sg = dev(srcs)
+        ops.cast_(sg, dg, inv_scale=ig, found_inf=found, flags=flags)
+        ops.cast_(srcs, dc, inv_scale=ic)
+        for i, (a, c) in enumerate(zip(host(dg), dc)):
+            assert_bits_equal(a, c, f"n={srcs[i].numel()} inv={inv}")
+        for a, s in zip(host(sg), srcs):
+            assert_exactly_equal(a, s, "source changed")
+        assert flags.tolist() == expected_flags(srcs)
+        assert found.item() == (1.0 if any_nonfinite(srcs) else 0.0)
+
+
+@gpu
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.float64, torch.float16], ids=dt_id)
+def test_cuda_stochastic_rounding_is_bit_identical_to_cpu(src_dtype, rng):
+    sizes = CUDA_SIZES + [3 * CHUNK + 1]
+    srcs = [finite_values(src_dtype, n, rng) for n in sizes]
+    for seed, offset in ((0, 0), (123, 9), (2**64 - 1, 2**63 + 5)):
+        dg = [torch.empty(n, dtype=torch.bfloat16, device="cuda") for n in sizes]
+        dc = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+        ops.cast_(dev(srcs), dg, inv_scale=0.5, rounding="stochastic", seed=seed, offset=offset)
+        ops.cast_(srcs, dc, inv_scale=0.5, rounding="stochastic", seed=seed, offset=offset)
+        for i, (a, c) in enumerate(zip(host(dg), dc)):
+            assert_exactly_equal(a, c, f"n={sizes[i]} seed={seed} offset={offset}")
+    special = [special_values(src_dtype, n, rng) for n in (17, 5000)]
+    dg = [torch.empty(t.numel(), dtype=torch.bfloat16, device="cuda") for t in special]
+    dc = [torch.empty(t.numel(), dtype=torch.bfloat16) for t in special]
+    ops.cast_(dev(special), dg, rounding="stochastic", seed=1, offset=2)
+    ops.cast_(special, dc, rounding="stochastic", seed=1, offset=2)
+    for a, c in zip(host(dg), dc):
+        assert_bits_equal(a, c)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
+@pytest.mark.parametrize("op", ["unscale_", "check_finite", "norm", "unscale_norm_", "cast_"])
+def test_cuda_flags_at_first_middle_last(dtype, op, rng):
+    for n in (1, 8, 9, 4097, CHUNK + 1):
+        for pos in sorted({0, n // 2, n - 1}):
+            for kind, bit in ((math.inf, FLAG_INF), (-math.inf, FLAG_INF), (math.nan, FLAG_NAN)):
+                t = finite_values(dtype, n, rng)
+                t[pos] = kind
+                tensors = dev([finite_values(dtype, 17, rng), t, finite_values(dtype, 33, rng)])
+                found = torch.zeros(1, device="cuda")
+                flags = torch.full((3,), 0xFF, dtype=torch.uint8, device="cuda")
+                if op == "unscale_":
+                    ops.unscale_(tensors, 0.5, found, flags=flags)
+                elif op == "check_finite":
+                    ops.check_finite(tensors, found, flags=flags)
+                elif op == "norm":
+                    ops.norm(tensors, 2, found_inf=found, flags=flags)
+                elif op == "unscale_norm_":
+                    ops.unscale_norm_(tensors, 0.5, found, flags=flags)
+                else:
+                    dsts = [torch.empty(x.shape, dtype=torch.float32, device="cuda") for x in tensors]
+                    ops.cast_(tensors, dsts, found_inf=found, flags=flags)
+                assert flags.tolist() == [0, bit, 0], (n, pos, kind)
+                assert found.item() == 1.0
+
+
+@gpu
+def test_cuda_check_finite_without_flags_and_sticky_found_inf(rng):
+    tensors = dev([finite_values(torch.float32, n, rng) for n in (1, 17, CHUNK + 1)])
+    found = torch.zeros(1, device="cuda")
+    ops.check_finite(tensors, found)
+    assert found.item() == 0.0
+    found.fill_(1.0)
+    ops.check_finite(tensors, found)
+    assert found.item() == 1.0  # never cleared
+    tensors[2][CHUNK] = math.nan
+    found.zero_()
+    ops.check_finite(tensors, found)
+    assert found.item() == 1.0
+
+
+@gpu
+@pytest.mark.parametrize("count", [1, 2, MAX_T - 1, MAX_T, MAX_T + 1, 2 * MAX_T, 2 * MAX_T + 1, 1000, 3000])
+def test_cuda_tensor_counts_across_launches(count, rng):
+    tensors = rand_list(rng, count, 300)
+    g = dev(tensors)
+    found = torch.zeros(1, device="cuda")
+    flags = torch.zeros(count, dtype=torch.uint8, device="cuda")
+    total, per = ops.unscale_norm_(g, 0.5, found, ord=1, flags=flags, per_tensor=True)
+    c = clones(tensors)
+    cfound = torch.zeros(1)
+    cflags = torch.zeros(count, dtype=torch.uint8)
+    ctotal, cper = ops.unscale_norm_(c, 0.5, cfound, ord=1, flags=cflags, per_tensor=True)
+    for a, b in zip(host(g), c):
+        assert_bits_equal(a, b)
+    assert flags.tolist() == cflags.tolist()
+    assert found.item() == cfound.item()
+    assert_same_float(total.item(), ctotal.item())
+    for a, b in zip(per.tolist(), cper.tolist()):
+        assert_same_float(a, b)
+
+
+@gpu
+def test_cuda_thousands_of_small_tensors_with_empties(rng):
+    tensors = rand_list(rng, 5000, 300) + [torch.empty(0)] * 7
+    g = dev(tensors)
+    flags = torch.full((len(g),), 9, dtype=torch.uint8, device="cuda")
+    total, per = ops.norm(g, 2, per_tensor=True, flags=flags)
+    total_ref, per_ref = norm_ref64(tensors, 2)
+    assert_norm_close(total.item(), total_ref)
+    for a, r in zip(per.tolist(), per_ref):
+        assert_norm_close(a, r)
+    assert flags.tolist() == expected_flags(tensors)
+    e = dev([torch.empty(0), torch.empty(0, 3, dtype=torch.float16)])
+    fl = torch.full((2,), 9, dtype=torch.uint8, device="cuda")
+    t, p = ops.norm(e, per_tensor=True, flags=fl)
+    assert t.item() == 0.0 and p.tolist() == [0.0, 0.0] and fl.tolist() == [0, 0]
+
+
+@gpu
+def test_cuda_bfloat16_gradients(rng):
+    grads = dev([finite_values(torch.bfloat16, n, rng) for n in (3, 4096, CHUNK + 5)])
+    origs = host(grads)
+    found = torch.zeros(1, device="cuda")
+    total = ops.unscale_norm_(grads, torch.tensor([2.0**-8], device="cuda"), found)
+    for a, o in zip(host(grads), origs):
+        assert_bits_equal(a, unscale_ref(o, 2.0**-8))
+    assert_norm_close(total.item(), norm_ref64(host(grads), 2)[0])
+    assert found.item() == 0.0
+
+
+@gpu
+def test_cuda_norm_is_identical_run_to_run_and_across_launch_splits(rng):
+    tensors = dev([finite_values(torch.float32, n, rng) for n in (CHUNK * 7 + 3, 5, 300000)] +
+                  [finite_values(torch.bfloat16, 1000, rng) for _ in range(300)])
+    first = ops.norm(tensors, 2, per_tensor=True)
+    for _ in range(20):
+        r = ops.norm(tensors, 2, per_tensor=True)
+        assert_exactly_equal(r[0].cpu(), first[0].cpu())
+        assert_exactly_equal(r[1].cpu(), first[1].cpu())
+    # a tensor's norm does not depend on its neighbours or on which launch carries it
+    for i in (0, 1, 2, 150, 302):
+        alone = ops.norm([tensors[i]], 2)
+        assert_exactly_equal(alone.cpu(), first[1][i:i + 1].cpu().reshape(()))
+    # the aliasing path (one launch per tensor) gives the batched path's bits
+    batched = ops.unscale_norm_(tensors, 1.0, None, per_tensor=True)
+    seq = ops.unscale_norm_(tensors + [tensors[0]], 1.0, None, per_tensor=True)
+    assert_exactly_equal(seq[1][:len(tensors)].cpu(), batched[1].cpu())
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
+def test_cuda_noncontiguous_and_aliasing(dtype, rng):
+    base = special_values(dtype, 40 * 30, rng).reshape(40, 30)
+    for mk in (lambda b: b.t(), lambda b: b[::3], lambda b: b[:, ::2], lambda b: b.t()[1::2, 2:]):
+        g = base.clone().to("cuda")
+        found = torch.zeros(1, device="cuda")
+        ops.unscale_(mk(g), 0.37, found)
+        expect = base.clone()
+        mk(expect).copy_(unscale_ref(mk(base), 0.37))
+        assert_bits_equal(g.cpu(), expect)
+        t = ops.norm([mk(base.to("cuda"))], 1, factor=0.5)
+        assert_norm_close(t.item(), norm_ref64([unscale_ref(mk(base), 0.5)], 1)[0])
+        d = torch.full((40, 30), 9.0, dtype=torch.float32, device="cuda")
+        src = finite_values(dtype, mk(d).numel(), rng)
+        ops.cast_(src.to("cuda"), mk(d), inv_scale=0.5)
+        c = torch.full((40, 30), 9.0, dtype=torch.float32)
+        ops.cast_(src, mk(c), inv_scale=0.5)
+        assert_bits_equal(d.cpu(), c)
+    x = special_values(dtype, CHUNK + 1, rng)
+    g = x.to("cuda")
+    flags = torch.zeros(2, dtype=torch.uint8, device="cuda")
+    ops.unscale_([g, g], 0.37, torch.zeros(1, device="cuda"), flags=flags)
+    assert_bits_equal(g.cpu(), unscale_ref(unscale_ref(x, 0.37), 0.37))
+    buf = finite_values(dtype, 3000, rng)
+    gb = buf.to("cuda")
+    ops.unscale_([gb[0:2000], gb[1000:]], 0.37, None)
+    expect = buf.clone()
+    expect[0:2000] = unscale_ref(expect[0:2000], 0.37)
+    expect[1000:] = unscale_ref(expect[1000:], 0.37)
+    assert_bits_equal(gb.cpu(), expect)
+    y = torch.ones(CHUNK + 5, dtype=torch.bfloat16, device="cuda")
+    fl = torch.zeros(40, dtype=torch.uint8, device="cuda")
+    ops.unscale_([y] * 40, 16.0, torch.zeros(1, device="cuda"), flags=fl)
+    assert bool(torch.isinf(y).all())
+    assert fl.tolist() == [0] * 32 + [FLAG_INF] * 8
+
+
+@gpu
+@pytest.mark.parametrize("hysteresis,consecutive,bounds", [(1, False, False), (3, False, True), (2, True, False)])
+def test_cuda_update_scale_matches_cpu(hysteresis, consecutive, bounds, rng):
+    kw = dict(hysteresis=hysteresis, consecutive_hysteresis=consecutive)
+    if bounds:
+        kw.update(min_scale=2.0**10, max_scale=2.0**18)
+    cs, ct = torch.full((1,), 2.0**16), torch.zeros(1, dtype=torch.int32)
+    ch = torch.full((1,), hysteresis, dtype=torch.int32)
+    gs, gt, gh = cs.cuda(), ct.cuda(), ch.cuda()
+    for step in range(200):
+        f = float(rng.random() < 0.3)
+        cev = ops._update_scale_events(cs, ct, torch.tensor([f]), 2.0, 0.5, 3, hysteresis,
+                                       ch if hysteresis > 1 else None, consecutive,
+                                       kw.get("min_scale", 0.0), kw.get("max_scale", math.inf))
+        gev = ops._update_scale_events(gs, gt, torch.tensor([f], device="cuda"), 2.0, 0.5, 3, hysteresis,
+                                       gh if hysteresis > 1 else None, consecutive,
+                                       kw.get("min_scale", 0.0), kw.get("max_scale", math.inf))
+        assert isinstance(gev, torch.Tensor) and gev.device.type == "cuda"
+        assert int(gev.item()) == cev, step
+        assert_exactly_equal(gs.cpu(), cs)
+        assert_exactly_equal(gt.cpu(), ct)
+        assert_exactly_equal(gh.cpu(), ch)
+    s = torch.full((1,), 2.0**16, device="cuda")
+    assert ops.update_scale_(s, torch.zeros(1, dtype=torch.int32, device="cuda"), torch.ones(1, device="cuda"),
+                             2.0, 0.5, 10) is s
+    assert s.item() == 2.0**15
+
+
+@gpu
+def test_cuda_errors_name_position_and_device():
+    good = dev([torch.randn(10), torch.randn(5).bfloat16()])
+    with pytest.raises(ValueError, match=r"tensors\[2\] is on cpu.*cuda:0"):
+        ops.unscale_(good + [torch.ones(3)], 0.5, torch.zeros(1, device="cuda"))
+    with pytest.raises(ValueError, match=r"found_inf is on cpu"):
+        ops.unscale_(good, 0.5, torch.zeros(1))
+    with pytest.raises(ValueError, match=r"flags is on cpu"):
+        ops.norm(good, flags=torch.zeros(2, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"dst\[0\] is on cpu"):
+        ops.cast_(good, [torch.empty(10), torch.empty(5)])
+    with pytest.raises(ValueError, match=r"growth_tracker is on cpu"):
+        ops.update_scale_(torch.ones(1, device="cuda"), torch.zeros(1, dtype=torch.int32), torch.zeros(1, device="cuda"),
+                          2.0, 0.5, 10)
+    with pytest.raises(TypeError, match=r"tensors\[1\].*int64"):
+        ops.norm([good[0], torch.ones(3, dtype=torch.int64, device="cuda")])
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        ops._scaler_pass([torch.ones(3, dtype=torch.float16, device="cuda")], 0, 0.5,
+                         torch.zeros(1, device="cuda"), None, True, True)
+    x = good[0].clone()
+    with pytest.raises(ValueError):
+        ops.unscale_([good[0], torch.ones(3)], 0.5, None)
+    assert torch.equal(good[0], x)  # nothing written before the error
+
+
+@two_gpus
+def test_cuda_tensors_on_two_devices_are_refused():
+    a = torch.ones(10, device="cuda:0")
+    b = torch.ones(10, device="cuda:1")
+    with pytest.raises(ValueError, match=r"tensors\[1\] is on cuda:1.*cuda:0"):
+        ops.unscale_([a, b], 0.5, None)
+    with pytest.raises(ValueError, match=r"found_inf is on cuda:0.*cuda:1"):
+        ops.unscale_([b], 0.5, torch.zeros(1, device="cuda:0"))
+
+
+@two_gpus
+def test_cuda_runs_on_the_tensors_device_whatever_the_current_device(rng):
+    x = finite_values(torch.float32, 3 * CHUNK + 7, rng)
+    with torch.cuda.device(0):
+        g = x.to("cuda:1")
+        found = torch.zeros(1, device="cuda:1")
+        total = ops.unscale_norm_([g], 0.5, found)
+        assert total.device == torch.device("cuda:1")
+        torch.cuda.synchronize(1)
+        assert_bits_equal(g.cpu(), unscale_ref(x, 0.5))
+        assert_norm_close(total.item(), norm_ref64([unscale_ref(x, 0.5)], 2)[0])
+
+
+@gpu
+def test_cuda_on_a_side_stream(rng):
+    x = finite_values(torch.float32, 4 * CHUNK, rng)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        g = x.to("cuda", non_blocking=False)
+        for _ in range(5):
+            ops.mul_(g, 2.0)
+        total = ops.norm([g], 1)
+        out = total.clone()
+    s.synchronize()
+    assert_norm_close(out.item(), norm_ref64([x * 32], 1)[0])
+
+
+@gpu
+def test_cuda_fused_adamw_step_makes_no_host_sync():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scale = torch.full((1,), 2.0**16, device="cuda")
+    tracker = torch.zeros(1, dtype=torch.int32, device="cuda")
+    x = torch.randn(32, 64, device="cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        (model(x).float().square().mean() * scale).backward()
+        grads = [p.grad for p in model.parameters()]
+        found = torch.zeros(1, device="cuda")
+        inv = scale.double().reciprocal().float()
+        norm = ops.unscale_norm_(grads, inv, found)
+        coef = torch.clamp(1.0 / (norm + 1e-6), max=1.0)
+        ops.mul_(grads, coef.reshape(1))
+        opt.grad_scale = None
+        opt.found_inf = found
+        opt.step()
+        del opt.found_inf
+        ops.update_scale_(scale, tracker, found, 2.0, 0.5, 2000)
+        return norm
+
+    step()  # creates the optimizer state (its own host-to-device copies)
+    torch.cuda.synchronize()
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            norm = step()
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+    assert math.isfinite(norm.item())
+
+
+@gpu
+def test_cuda_scaler_sequence_captures_into_a_cuda_graph_and_replays(rng):
+    shapes = [(CHUNK + 3,), (257,), (64, 64), (3,)]
+    grads = [torch.zeros(s, device="cuda", dtype=dt) for s, dt in
+             zip(shapes, [torch.float32, torch.bfloat16, torch.float32, torch.float16])]
+    scale = torch.full((1,), 2.0**16, device="cuda")
+    tracker = torch.zeros(1, dtype=torch.int32, device="cuda")
+    found = torch.zeros(1, device="cuda")
+    flags = torch.zeros(len(grads), dtype=torch.uint8, device="cuda")
+
+    def body():
+        found.zero_()
+        inv = scale.double().reciprocal().float()
+        total, per = ops.unscale_norm_(grads, inv, found, flags=flags, per_tensor=True)
+        ops.update_scale_(scale, tracker, found, 2.0, 0.5, 2)
+        return total, per
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside the capture (kernels loaded, allocator primed)
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream().wait_stream(s)
+    scale.fill_(2.0**16)
+    tracker.zero_()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        total, per = body()
+
+    sc, tr = torch.full((1,), 2.0**16), torch.zeros(1, dtype=torch.int32)
+    scale.fill_(2.0**16)
+    tracker.zero_()
+    for it in range(5):
+        data = [finite_values(gr.dtype, gr.numel(), rng).reshape(gr.shape) for gr in grads]
+        if it == 3:
+            data[1].view(-1)[7] = math.inf
+        for gr, d in zip(grads, data):
+            gr.copy_(d)
+        g.replay()
+        torch.cuda.synchronize()
+        cfound = torch.zeros(1)
+        c = clones(data)
+        cinv = torch.tensor([f32(1.0 / float(sc))])
+        ctotal, cper = ops.unscale_norm_(c, cinv, cfound, per_tensor=True)
+        ops.update_scale_(sc, tr, cfound, 2.0, 0.5, 2)
+        for a, b in zip(host(grads), c):
+            assert_bits_equal(a, b, f"replay {it}")
+        assert found.item() == cfound.item()
+        assert_same_float(total.item(), ctotal.item(), f"replay {it}")
+        for a, b in zip(per.tolist(), cper.tolist()):
+            assert_same_float(a, b)
+        assert_exactly_equal(scale.cpu(), sc)
+        assert_exactly_equal(tracker.cpu(), tr)
+        assert flags.tolist()[1] == (FLAG_INF if it == 3 else 0)
+
+
+def _free_gib():
+    free, _ = torch.cuda.mem_get_info()
+    return free / 2**30
+
+
+@gpu
+def test_cuda_64_bit_element_indices():
+    """Past 2**31 and 2**32 elements: 64-bit sizes and offsets, and stochastic rounding keys of
+    elements past 2**32 (checked against the independent reference of the hash)."""
+    if _free_gib() < 40:
+        pytest.skip("needs about 30 GiB of free GPU memory")
+    n = 2**31 + 5
+    x = torch.ones(n, dtype=torch.bfloat16, device="cuda")
+    assert ops.norm(x, 1).item() == f32(n)
+    found = torch.zeros(1, device="cuda")
+    x[-1] = math.nan
+    ops.unscale_(x, 2.0, found)
+    assert found.item() == 1.0
+    tail = x[-4:].float().cpu()
+    assert tail[:3].tolist() == [2.0, 2.0, 2.0] and math.isnan(tail[3])
+    del x
+    n = 2**32 + 1000
+    v = 1.0 + 2.0**-9 + 2.0**-20  # not a bfloat16: the random bits decide
+    src = torch.full((n,), v, dtype=torch.float32, device="cuda")
+    dst = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    ops.cast_([src[:7], src], [torch.empty(7, dtype=torch.bfloat16, device="cuda"), dst], rounding="stochastic",
+              seed=77, offset=5)
+    idx = [0, 2**32 - 2, 2**32 - 1, 2**32, 2**32 + 1, 2**32 + 999]
+    got = dst[torch.tensor(idx, device="cuda")].view(torch.int16).cpu().numpy().astype(np.uint16)
+    for e, gbits in zip(idx, got):
+        assert gbits == sr_reference(v, 77, 5, 1, e), e
