@@ -54,6 +54,7 @@ __all__ = [
     "FLAG_NAN",
     "simd_level",
     "available_simd_levels",
+    "thread_backend",
 ]
 
 FLAG_INF = _C.FLAG_INF
@@ -356,6 +357,13 @@ def _scaler_pass(tensors, mode_reduce, factor, found_inf, flags, write, refuse_f
 def simd_level():
     """The CPU kernel level in use: "avx512", "avx2" or "portable"."""
     return _C.simd()
+
+
+def thread_backend():
+    """Where multi-threaded CPU calls run: the path of the OpenMP runtime torch loaded (ampx
+    joins its team rather than competing with it), or "ampx pool" (no runtime loaded, a
+    forked child, or AMPX_THREADING=pool)."""
+    return _C.thread_backend()
 
 
 def available_simd_levels():

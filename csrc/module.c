@@ -26,6 +26,7 @@
 #include "cpu_dispatch.h"
 #include "cuda_driver.h"
 #include "multi_tensor.h"
+#include "threadpool.h"
 
 /* Below this many elements a call keeps the GIL: releasing it costs more. */
 #define GIL_RELEASE_MIN ((int64_t)1 << 14)
@@ -1574,6 +1575,13 @@ static PyObject *py_simd(PyObject *module, PyObject *unused)
     return PyUnicode_FromString(ampx_cpu_active->name);
 }
 
+static PyObject *py_thread_backend(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    return PyUnicode_FromString(ampx_thread_backend());
+}
+
 static PyObject *py_simd_levels(PyObject *module, PyObject *unused)
 {
     (void)module;
@@ -1646,6 +1654,8 @@ static PyMethodDef methods[] = {
      "(cc major, cc minor, multiprocessors, driver version) of a CUDA device; loads the kernels."},
     {"collect_grads", py_collect_grads, METH_O, "(params, grads) of param_groups whose grad is set."},
     {"simd", py_simd, METH_NOARGS, "Name of the SIMD level in use."},
+    {"thread_backend", py_thread_backend, METH_NOARGS,
+     "Where parallel CPU work runs: the loaded OpenMP runtime's path, or \"ampx pool\"."},
     {"simd_levels", py_simd_levels, METH_NOARGS, "SIMD levels this processor supports, best first."},
     {"set_simd", py_set_simd, METH_VARARGS, "Selects a SIMD level; returns the previous one."},
     {"set_parallel_threshold", py_set_parallel_threshold, METH_VARARGS,

@@ -2,9 +2,13 @@
 #define _GNU_SOURCE
 #include "threadpool.h"
 
+#include <dlfcn.h>
+#include <link.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 /* pool_busy is held by the one caller whose job the workers run; mu guards
  * everything below it. Workers are started on demand and never exit. */
@@ -92,6 +96,100 @@ static int ensure_workers(int want)
     return nworkers < want ? nworkers : want;
 }
 
+/* ---- torch's own OpenMP team -------------------------------------------------
+ *
+ * When the process already has an OpenMP runtime loaded (torch's libgomp on
+ * Linux; LLVM's libomp and Intel's libiomp5 export the same GOMP_ entry
+ * points), ampx runs its tasks on that runtime's team rather than on its own
+ * threads. Nothing is loaded: the runtime is found among the objects already
+ * mapped and opened with RTLD_NOLOAD. The reason is the time right after a
+ * torch op: the runtime's workers keep spinning for a while (OMP_WAIT_POLICY
+ * unset), and a second pool's threads would share cores with them; run on the
+ * team, the spinning workers pick the tasks up at once. */
+
+typedef void (*gomp_parallel_fn)(void (*fn)(void *), void *data, unsigned num_threads, unsigned flags);
+
+static pthread_once_t omp_once = PTHREAD_ONCE_INIT;
+static gomp_parallel_fn omp_parallel;      /* NULL: no runtime loaded, use the pool */
+static char omp_path[512];
+
+static int find_omp(struct dl_phdr_info *info, size_t size, void *data)
+{
+    (void)size;
+    (void)data;
+    const char *name = info->dlpi_name;
+    if (name == NULL || name[0] == '\0')
+        return 0;
+    const char *base = strrchr(name, '/');
+    base = base ? base + 1 : name;
+    if (strncmp(base, "libgomp", 7) == 0 || strncmp(base, "libomp", 6) == 0 || strncmp(base, "libiomp5", 8) == 0) {
+        size_t n = strlen(name);
+        if (n < sizeof(omp_path)) {
+            memcpy(omp_path, name, n + 1);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* GNU libgomp's team does not survive fork: a forked child that enters a
+ * parallel region hangs (torch's own ops too). A child therefore always uses
+ * ampx's pool, which restarts its workers after fork. */
+static int in_forked_child;
+
+static void omp_after_fork_child(void)
+{
+    in_forked_child = 1;
+    omp_parallel = NULL;
+}
+
+/* Registered when the extension is loaded, so that a child forked before
+ * ampx's first parallel call knows it too. */
+__attribute__((constructor)) static void omp_register_atfork(void)
+{
+    pthread_atfork(NULL, NULL, omp_after_fork_child);
+}
+
+static void omp_init(void)
+{
+    if (in_forked_child)
+        return;
+    const char *env = getenv("AMPX_THREADING");
+    if (env != NULL && strcmp(env, "pool") == 0)
+        return; /* forced onto ampx's own pool (tests, comparisons) */
+    if (dl_iterate_phdr(find_omp, NULL) == 0)
+        return;
+    void *h = dlopen(omp_path, RTLD_LAZY | RTLD_NOLOAD);
+    if (h == NULL)
+        return;
+    /* The handle is kept: it only pins a library that is loaded already. */
+    omp_parallel = (gomp_parallel_fn)dlsym(h, "GOMP_parallel");
+}
+
+typedef struct {
+    ampx_task_fn fn;
+    void *ctx;
+    int64_t ntasks;
+    atomic_int_fast64_t next;
+} omp_job;
+
+static void omp_body(void *data)
+{
+    omp_job *j = (omp_job *)data;
+    for (;;) {
+        int64_t t = (int64_t)atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (t >= j->ntasks)
+            return;
+        j->fn(j->ctx, t);
+    }
+}
+
+const char *ampx_thread_backend(void)
+{
+    pthread_once(&omp_once, omp_init);
+    return omp_parallel != NULL ? omp_path : "ampx pool";
+}
+
 void ampx_parallel_for(int nthreads, int64_t ntasks, ampx_task_fn fn, void *ctx)
 {
     if (nthreads > AMPX_MAX_THREADS)
@@ -99,6 +197,18 @@ void ampx_parallel_for(int nthreads, int64_t ntasks, ampx_task_fn fn, void *ctx)
     int helpers = nthreads - 1;
     if ((int64_t)helpers > ntasks - 1)
         helpers = (int)(ntasks - 1);
+    if (helpers > 0) {
+        pthread_once(&omp_once, omp_init);
+        if (omp_parallel != NULL) {
+            omp_job j;
+            j.fn = fn;
+            j.ctx = ctx;
+            j.ntasks = ntasks;
+            atomic_store_explicit(&j.next, 0, memory_order_relaxed);
+            omp_parallel(omp_body, &j, (unsigned)(helpers + 1), 0u);
+            return;
+        }
+    }
     if (helpers <= 0 || pthread_mutex_trylock(&pool_busy) != 0) {
         for (int64_t t = 0; t < ntasks; t++)
             fn(ctx, t);

@@ -1,10 +1,13 @@
 /*
  * threadpool.h: a small pool of POSIX threads for the CPU kernels.
  *
- * ampx does not use OpenMP: loading a second OpenMP runtime beside torch's
- * is a known source of oversubscription and crashes. The caller chooses the
- * thread count (the Python layer passes torch.get_num_threads()), idle
- * workers sleep on a condition variable rather than spin, and the calling
+ * ampx never loads an OpenMP runtime (a second one beside torch's is a known
+ * source of oversubscription and crashes). When torch's runtime is already
+ * loaded, tasks run on its team through its GOMP_parallel entry point, so
+ * ampx and torch share one set of threads (see threadpool.c). Otherwise, or
+ * with AMPX_THREADING=pool, they run on a small pool of POSIX threads whose
+ * idle workers sleep on a condition variable. The caller chooses the thread
+ * count (the Python layer passes torch.get_num_threads()), and the calling
  * thread always takes part in the work.
  */
 #ifndef AMPX_THREADPOOL_H
@@ -23,5 +26,8 @@ typedef void (*ampx_task_fn)(void *ctx, int64_t task);
  * Safe to call from several threads at once: a call that finds the pool in
  * use runs its tasks on the calling thread. Never calls into Python. */
 void ampx_parallel_for(int nthreads, int64_t ntasks, ampx_task_fn fn, void *ctx);
+
+/* Where tasks run: the path of the OpenMP runtime in use, or "ampx pool". */
+const char *ampx_thread_backend(void);
 
 #endif /* AMPX_THREADPOOL_H */
