@@ -42,6 +42,9 @@ class OverflowReport:
 
 
 class GradScaler(torch.amp.GradScaler):
+    # Tests set this to run the device-side (deferred) telemetry path on a CPU scale.
+    _force_lazy_telemetry = False
+
     """Loss scaling for mixed-precision training; a drop-in for ``torch.amp.GradScaler``.
 
     Without the keyword-only extras it behaves exactly as torch's scaler (same scale after
@@ -108,6 +111,7 @@ class GradScaler(torch.amp.GradScaler):
         self._scale_hi = 0.0
         self._last_norm = None
         self._last_report = None
+        self._pending = deque()  # device-side updates whose telemetry has not been read yet
         self.last_step_skipped = False
         # Per optimizer, for the overflow report: (params, per-tensor flags) of the last pass.
         self._flag_sources = {}
@@ -168,35 +172,77 @@ class GradScaler(torch.amp.GradScaler):
         gradients records no inf check at all, except in sharded mode, where every rank
         takes part in the step's one collective (``_agree``) whether it holds gradients or not.
         need_found=False: only the total is wanted from the collective.
+
+        The call runs on the gradients' device (CPU, or ampx's CUDA kernels on the caller's
+        stream, with no host sync). Gradients spread over several devices (model parallel,
+        CPU offload) take one call per device.
         """
         params, grads = self._params_with_grads(optimizer)
-        flags = torch.zeros(len(params), dtype=torch.uint8)
-        self._flag_sources[id(optimizer)] = (params, flags)
         if self._sharded or isinstance(optimizer, MasterWeights):
             # torch's ShardedGradScaler allows fp16 (FSDP may keep fp16 gradients); with master
             # weights fp16 gradients are unscaled on their way into float32 masters (Apex O2)
             allow_fp16 = True
-        found_inf = found_inf.clone()
-        total = torch.zeros((), dtype=torch.float32) if reduce else None
-        if params and write and isinstance(optimizer, MasterWeights):
+        if not params:
+            self._flag_sources[id(optimizer)] = []
+            self._last_grads = []
+            found_inf = found_inf.clone()
+            total = torch.zeros((), dtype=torch.float32, device=found_inf.device) if reduce else None
+            if not self._sharded:
+                return {}, total
+            found_inf, total = self._agree(found_inf if need_found else None, total, reduce)
+            return ({} if found_inf is None else {found_inf.device: found_inf}), total
+        try:
+            parts = [self._device_pass(optimizer, params, grads, inv_scale, found_inf, allow_fp16, write, reduce)]
+        except ValueError as e:
+            if isinstance(e, _C.LayoutError) or len({g.device for g in grads}) < 2:
+                raise
+            by_dev = {}
+            for p, g in zip(params, grads):
+                ps, gs = by_dev.setdefault(g.device, ([], []))
+                ps.append(p)
+                gs.append(g)
+            parts = [self._device_pass(optimizer, ps, gs, inv_scale, found_inf, allow_fp16, write, reduce)
+                     for ps, gs in by_dev.values()]
+        self._flag_sources[id(optimizer)] = [(ps, fl) for ps, fl, _, _, _ in parts]
+        self._last_grads = [g for _, _, gs, _, _ in parts for g in gs]
+        per_device = {}
+        for _, _, _, f, _ in parts:
+            per_device[f.device] = f if f.device not in per_device else per_device[f.device] + f
+        total = _combine([t for _, _, _, _, t in parts], reduce, found_inf.device) if reduce else None
+        if self._sharded:
+            if len(per_device) > 1:
+                found = sum(f.to(found_inf.device) for f in per_device.values())
+            else:
+                found = next(iter(per_device.values()))
+            found, total = self._agree(found if need_found else None, total, reduce)
+            return ({} if found is None else {found.device: found}), total
+        return per_device, total
+
+    def _device_pass(self, optimizer, params, grads, inv_scale, found_inf, allow_fp16, write, reduce):
+        """The pass over gradients that all live on one device; returns
+        (params, flags, grads seen, found_inf, total), all outputs on that device."""
+        dev = grads[0].device
+        if found_inf.device == dev:
+            found = found_inf.clone()
+        else:
+            found = torch.zeros_like(found_inf, device=dev)
+            if isinstance(inv_scale, torch.Tensor):
+                inv_scale = inv_scale.to(dev, non_blocking=True)
+        flags = torch.zeros(len(params), dtype=torch.uint8, device=dev)
+        total = None
+        if write and isinstance(optimizer, MasterWeights):
             # model gradients -> master gradients, unscaled and checked, in one cast pass
-            optimizer._ampx_cast_grads_(inv_scale, found_inf, flags)
-        elif params:
+            optimizer._ampx_cast_grads_(inv_scale, found, flags)
+        else:
             with torch.no_grad():
                 try:
-                    total = ops._scaler_pass(grads, reduce, inv_scale, found_inf, flags, write, not allow_fp16)
+                    total = ops._scaler_pass(grads, reduce, inv_scale, found, flags, write, not allow_fp16)
                 except _C.LayoutError:
                     grads = self._dense_views(params, allow_fp16, bool(reduce))
-                    total = ops._scaler_pass(grads, reduce, inv_scale, found_inf, flags, write,
-                                             not allow_fp16)
-        self._last_grads = grads
-        if self._sharded:
-            found_inf, total = self._agree(found_inf if need_found else None, total, reduce)
-            if found_inf is None:
-                return {}, total
-        elif not params:
-            return {}, total
-        return {found_inf.device: found_inf}, total
+                    total = ops._scaler_pass(grads, reduce, inv_scale, found, flags, write, not allow_fp16)
+        if reduce and total is None:
+            total = torch.zeros((), dtype=torch.float32, device=dev)
+        return params, flags, grads, found, total
 
     def _agree(self, found_inf, total, reduce):
         """The sharded step's one collective: every rank learns whether any rank overflowed
@@ -439,41 +485,59 @@ class GradScaler(torch.amp.GradScaler):
                 scale, tracker, found, self._growth_factor, self._backoff_factor, self._growth_interval,
                 self._hysteresis, self._hysteresis_tracker if self._hysteresis > 1 else None,
                 self._consecutive_hysteresis, self._min_scale, self._max_scale)
-        skipped = bool(found.item()) if scale.device.type == "cpu" else None
-        if events & _C.UPD_AT_MIN:
-            msg = (f"ampx.GradScaler: gradients overflowed with the loss scale already at min_scale="
-                   f"{self._min_scale}; the step was skipped and the scale cannot fall further.")
-            if self._on_min_scale == "raise":
-                self._per_optimizer_states = _fresh_states()
-                raise RuntimeError(msg + " (on_min_scale='raise')")
-            if self._on_min_scale == "warn":
-                logger.warning(msg)
-        self._record(skipped=skipped)
+        sources = list(self._flag_sources.values())
         self._per_optimizer_states = _fresh_states()
         self._flag_sources = {}
+        self._steps += 1
+        if scale.device.type == "cpu" and not self._force_lazy_telemetry:
+            self._account(self._steps, float(scale.item()), bool(found.item()), int(events), sources)
+            return
+        # A device scale: the telemetry travels in one small non-blocking copy and is read once
+        # the device has got there (at a later update, or when stats() or a report asks), so
+        # the step never waits for the host. on_min_scale="raise" has to know now: it waits.
+        if self._on_min_scale == "raise" and self._dynamic and int(events) & _C.UPD_AT_MIN:
+            self._drain(wait=True)
+            self._account(self._steps, float(scale.item()), True, int(events), sources)
+        self._pending.append(_Pending(self._steps, scale, found, events, sources))
+        self._drain(wait=False)
 
     # ---- telemetry and reports --------------------------------------------------------
 
     def _record(self, skipped):
+        """Telemetry of an update(new_scale) step (the scale was set by hand)."""
         self._steps += 1
-        if skipped is None:  # a device scale: resolve lazily (no sync here)
-            skipped = False
+        self._drain(wait=True)
+        self._account(self._steps, float(self._scale.item()), skipped, 0, [])
+
+    def _drain(self, wait):
+        """Accounts for finished device-side updates, oldest first (all of them if wait)."""
+        while self._pending and (wait or self._pending[0].ready()):
+            e = self._pending.popleft()
+            self._account(*e.values())
+
+    def _account(self, step, scale, skipped, events, sources):
+        """One update's telemetry: counts, report and callback, the floor, scale history."""
         if skipped:
             self._skipped += 1
-            self._last_report = self._make_report()
-            logger.debug("ampx.GradScaler: step %d skipped (inf/NaN gradients); scale -> %s",
-                         self._steps, self._scale.item())
+            self._last_report = self._make_report(step, sources)
+            logger.debug("ampx.GradScaler: step %d skipped (inf/NaN gradients); scale -> %s", step, scale)
             if self._on_overflow is not None:
                 self._on_overflow(self._last_report)
-        s = float(self._scale.item()) if self._scale.device.type == "cpu" else None
-        if s is not None:
-            self._scale_lo = min(self._scale_lo, s)
-            self._scale_hi = max(self._scale_hi, s)
-            self._history.append((self._steps, s))
+        if events & _C.UPD_AT_MIN:
+            msg = (f"ampx.GradScaler: gradients overflowed with the loss scale already at min_scale="
+                   f"{self._min_scale}; the step was skipped and the scale cannot fall further.")
+            if self._on_min_scale == "raise":
+                raise RuntimeError(msg + " (on_min_scale='raise')")
+            if self._on_min_scale == "warn":
+                logger.warning(msg)
+        self._scale_lo = min(self._scale_lo, scale)
+        self._scale_hi = max(self._scale_hi, scale)
+        self._history.append((step, scale))
 
-    def _make_report(self):
+    def _make_report(self, step, sources):
         inf, nan = [], []
-        for params, flags in self._flag_sources.values():
+        for params, flags in (pair for src in sources for pair in src):
+            flags = flags.cpu()
             bad = torch.nonzero(flags).flatten().tolist()
             for i in bad:
                 p, f = params[i], int(flags[i])
@@ -482,14 +546,21 @@ class GradScaler(torch.amp.GradScaler):
                     inf.append(name)
                 if f & ops.FLAG_NAN:
                     nan.append(name)
-        return OverflowReport(self._steps, inf, nan)
+        return OverflowReport(step, inf, nan)
 
     def overflow_report(self):
-        """The ``OverflowReport`` of the most recent skipped step, or None."""
+        """The ``OverflowReport`` of the most recent skipped step, or None (with a CUDA scale,
+        this waits for the device to finish the steps not yet accounted for)."""
+        self._drain(wait=True)
         return self._last_report
 
     def stats(self):
-        """Telemetry: steps, skipped_steps, scale, min/max scale seen, last_norm, history."""
+        """Telemetry: steps, skipped_steps, scale, min/max scale seen, last_norm, history.
+
+        With a CUDA scale, the counts, history and overflow callbacks of a step are taken from
+        the device without waiting, so they may arrive a few steps late; ``stats()`` itself
+        waits for all of them."""
+        self._drain(wait=True)
         return {
             "steps": self._steps,
             "skipped_steps": self._skipped,
@@ -542,7 +613,10 @@ class GradScaler(torch.amp.GradScaler):
         if self._enabled:
             state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
             state["_hysteresis_tracker"] = None
+        if self._enabled:
+            self._drain(wait=True)
         state["_flag_sources"] = {}
+        state["_pending"] = deque()
         state["_last_grads"] = None
         # A process group cannot be pickled; a sharded scaler comes back on the default group.
         state["process_group"] = None
@@ -566,6 +640,20 @@ class ShardedGradScaler(GradScaler):
                          backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled,
                          process_group=process_group, **extras)
         self._sharded = True
+
+
+def _combine(totals, reduce, device):
+    """The norm of several per-device partial norms (L2 / L1 / inf), on ``device``."""
+    if len(totals) == 1:
+        return totals[0]
+    parts = torch.stack([t.to(device, torch.float64) for t in totals])
+    if reduce == 1:
+        out = parts.square().sum().sqrt()
+    elif reduce == 2:
+        out = parts.sum()
+    else:
+        out = parts.max()
+    return out.float()
 
 
 def _all_reduce(buf, op, group):
@@ -595,6 +683,32 @@ def _fresh_states():
     from collections import defaultdict
 
     return defaultdict(_refresh_per_optimizer_state)
+
+
+class _Pending:
+    """One update's telemetry on its way from the device: scale, found_inf, the update's events
+    and the per-tensor flags, copied without blocking into host memory, with an event that
+    says when the copy has landed."""
+
+    def __init__(self, step, scale, found, events, sources):
+        self.step = step
+        vals = torch.stack([scale.reshape(()).double(), found.reshape(()).double(),
+                            torch.as_tensor(events, device=scale.device).reshape(()).double()])
+        self.vals = vals.to("cpu", non_blocking=True)
+        self.sources = [[(ps, fl.to("cpu", non_blocking=True)) for ps, fl in src] for src in sources]
+        self.event = None
+        if scale.device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(scale.device))
+
+    def ready(self):
+        return self.event is None or self.event.query()
+
+    def values(self):
+        if self.event is not None and not self.event.query():
+            self.event.synchronize()
+        s, f, e = self.vals.tolist()
+        return self.step, s, bool(f), int(e), self.sources
 
 
 class _LazySkip:

@@ -85,7 +85,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   stage "tests (tests/test_cuda.py on the GPU)"
   # The emulated-kernel tests are for machines without a GPU (slow here, and redundant).
   timeout 240 "$PY" -m pytest -q -p no:cacheprovider -ra --durations=8 -k "not emulated" \
-      tests/test_cuda.py 2>&1 | tee "$LOGS/tests.log" | tail -60
+      tests/test_cuda.py tests/test_scaler_cuda.py tests/test_threads.py 2>&1 | tee "$LOGS/tests.log" | tail -60
   rc=${PIPESTATUS[0]}
   echo "pytest exit status: $rc"
   [ "$rc" = 0 ] || status=1

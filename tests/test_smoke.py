@@ -21,10 +21,10 @@ def test_unscale_matches_torch_small():
     assert fi.item() == fi_ref.item() == 0.0
 
 
-def test_cuda_path_reports_itself_unavailable_and_cuda_tensors_are_refused():
-    assert ampx.cuda.is_available() is False
-    if torch.cuda.is_available():  # a GPU machine: a CUDA tensor must get a clear error
+def test_cuda_path_is_unavailable_without_a_gpu():
+    if torch.cuda.is_available():
         import pytest
 
-        with pytest.raises(ValueError, match="cuda"):
-            ops.unscale_([torch.ones(3, device="cuda")], 1.0, None)
+        pytest.skip("a GPU machine: tests/test_cuda.py covers the CUDA path")
+    assert ampx.cuda.is_available() is False
+    assert ampx.cuda.unavailable_reason()

@@ -1,0 +1,153 @@
+"""ampx.GradScaler, MasterWeights and the sharded scaler on CUDA tensors (skipped without a GPU).
+
+The CPU suites cover the rules; these check that the scaler's passes run on ampx's CUDA kernels
+with the same results as torch's scaler, and that a fused-optimizer step never waits for the
+host (torch.cuda.set_sync_debug_mode("error") turns any synchronizing call into an error).
+"""
+import math
+
+import pytest
+import torch
+
+import ampx
+
+gpu = pytest.mark.skipif(not (torch.cuda.is_available() and ampx.cuda.is_available()),
+                         reason="needs a GPU and ampx's CUDA kernels")
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)).cuda()
+
+
+def _opt(kind, params):
+    if kind == "fused":
+        return torch.optim.AdamW(params, lr=1e-3, fused=True)
+    return torch.optim.AdamW(params, lr=1e-3, foreach=True)
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+@pytest.mark.parametrize("clip", [False, True])
+def test_cuda_scaler_matches_torch(kind, clip):
+    ma, mt = _model(), _model()
+    oa, ot = _opt(kind, ma.parameters()), _opt(kind, mt.parameters())
+    sa = ampx.GradScaler("cuda", init_scale=2.0**12, growth_interval=5)
+    st = torch.amp.GradScaler("cuda", init_scale=2.0**12, growth_interval=5)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for step in range(60):
+        x = torch.randn(16, 32, device="cuda", generator=g)
+        for m, o, s in ((ma, oa, sa), (mt, ot, st)):
+            o.zero_grad()
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = m(x).float().square().mean()
+            s.scale(loss).backward()
+            if step % 9 == 4:
+                next(m.parameters()).grad.view(-1)[3] = math.inf
+            if clip:
+                if s is sa:
+                    sa.clip_grad_norm_(o, 0.5)
+                else:
+                    st.unscale_(o)
+                    torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            s.step(o)
+            s.update()
+        assert sa.get_scale() == st.get_scale(), step
+    for p, q in zip(ma.parameters(), mt.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    stats = sa.stats()
+    assert stats["steps"] == 60 and stats["skipped_steps"] == 7
+    assert sa.overflow_report() is not None
+
+
+@gpu
+def test_cuda_fused_step_with_clip_makes_no_host_sync():
+    m = _model()
+    o = _opt("fused", m.parameters())
+    s = ampx.GradScaler("cuda", init_scale=2.0**10)
+    x = torch.randn(16, 32, device="cuda")
+
+    def one(check):
+        o.zero_grad(set_to_none=False)
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = m(x).float().square().mean()
+        s.scale(loss).backward()
+        prev = torch.cuda.get_sync_debug_mode()
+        if check:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            norm = s.clip_grad_norm_(o, 1.0)
+            s.step(o)
+            s.update()
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+        return norm
+
+    one(False)  # optimizer state, kernels loaded, workspaces allocated
+    for _ in range(3):
+        norm = one(True)
+    assert math.isfinite(norm.item())
+    assert s.stats()["steps"] == 4
+
+
+@gpu
+def test_cuda_bf16_gradients_which_torch_refuses():
+    p = torch.nn.Parameter(torch.ones(1000, device="cuda", dtype=torch.bfloat16))
+    o = torch.optim.SGD([p], lr=1.0)
+    s = ampx.GradScaler("cuda", init_scale=4.0)
+    s.scale(torch.ones((), device="cuda"))
+    p.grad = torch.full_like(p, 8.0)
+    s.unscale_(o)
+    assert torch.all(p.grad == 2.0)
+
+
+@gpu
+def test_cuda_master_weights_with_the_scaler():
+    m = _model().to(torch.float16)
+    o = ampx.MasterWeights(torch.optim.AdamW(m.parameters(), lr=1e-3))
+    s = ampx.GradScaler("cuda", init_scale=2.0**10)
+    x = torch.randn(16, 32, device="cuda", dtype=torch.float16)
+    for step in range(10):
+        o.zero_grad()
+        s.scale(m(x).float().square().mean()).backward()
+        if step == 3:
+            next(m.parameters()).grad.view(-1)[0] = math.nan
+        s.clip_grad_norm_(o, 1.0)
+        s.step(o)
+        s.update()
+    for mm, p in zip(o.masters, m.parameters()):
+        assert mm.device == p.device and torch.equal(mm.half(), p.detach())
+    assert s.stats()["skipped_steps"] == 1
+
+
+@gpu
+def test_cuda_sharded_scaler_on_one_nccl_rank_makes_no_host_sync():
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        pytest.skip("NCCL is not built in")
+    store = dist.HashStore()
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    try:
+        m = _model()
+        o = _opt("fused", m.parameters())
+        s = ampx.GradScaler("cuda", init_scale=2.0**10, process_group=dist.group.WORLD)
+        x = torch.randn(16, 32, device="cuda")
+        norms = []
+        for i in range(3):
+            o.zero_grad(set_to_none=False)
+            s.scale(m(x).square().mean()).backward()
+            ref = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in m.parameters()])) / 2.0**10
+            prev = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error" if i else "default")
+            try:
+                norm = s.clip_grad_norm_(o, 1.0)
+                s.step(o)
+                s.update()
+            finally:
+                torch.cuda.set_sync_debug_mode(prev)
+            norms.append((norm.item(), ref.item()))
+        for n, r in norms:
+            assert n == pytest.approx(r, rel=1e-5)
+    finally:
+        dist.destroy_process_group()
