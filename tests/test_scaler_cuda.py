@@ -4,6 +4,7 @@ The CPU suites cover the rules; these check that the scaler's passes run on ampx
 with the same results as torch's scaler, and that a fused-optimizer step never waits for the
 host (torch.cuda.set_sync_debug_mode("error") turns any synchronizing call into an error).
 """
+import contextlib
 import math
 
 import pytest
@@ -13,6 +14,18 @@ import ampx
 
 gpu = pytest.mark.skipif(not (torch.cuda.is_available() and ampx.cuda.is_available()),
                          reason="needs a GPU and ampx's CUDA kernels")
+
+
+@contextlib.contextmanager
+def _sync_is_an_error(on=True):
+    """Any host synchronization inside the block raises (when on)."""
+    prev = torch.cuda.get_sync_debug_mode()
+    if on:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
 
 
 def _model(seed=0):
@@ -72,15 +85,10 @@ def test_cuda_fused_step_with_clip_makes_no_host_sync():
         with torch.autocast("cuda", dtype=torch.float16):
             loss = m(x).float().square().mean()
         s.scale(loss).backward()
-        prev = torch.cuda.get_sync_debug_mode()
-        if check:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
+        with _sync_is_an_error(check):
             norm = s.clip_grad_norm_(o, 1.0)
             s.step(o)
             s.update()
-        finally:
-            torch.cuda.set_sync_debug_mode(prev)
         return norm
 
     one(False)  # optimizer state, kernels loaded, workspaces allocated
@@ -138,14 +146,10 @@ def test_cuda_sharded_scaler_on_one_nccl_rank_makes_no_host_sync():
             o.zero_grad(set_to_none=False)
             s.scale(m(x).square().mean()).backward()
             ref = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in m.parameters()])) / 2.0**10
-            prev = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode("error" if i else "default")
-            try:
+            with _sync_is_an_error(i > 0):
                 norm = s.clip_grad_norm_(o, 1.0)
                 s.step(o)
                 s.update()
-            finally:
-                torch.cuda.set_sync_debug_mode(prev)
             norms.append((norm.item(), ref.item()))
         for n, r in norms:
             assert n == pytest.approx(r, rel=1e-5)
