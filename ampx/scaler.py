@@ -693,7 +693,8 @@ class _Pending:
     def __init__(self, step, scale, found, events, sources):
         self.step = step
         vals = torch.stack([scale.reshape(()).double(), found.reshape(()).double(),
-                            torch.as_tensor(events, device=scale.device).reshape(()).double()])
+                            (events.reshape(()).double() if isinstance(events, torch.Tensor)
+                             else scale.new_full((), float(events), dtype=torch.float64))])
         self.vals = vals.to("cpu", non_blocking=True)
         self.sources = [[(ps, fl.to("cpu", non_blocking=True)) for ps, fl in src] for src in sources]
         self.event = None

@@ -93,10 +93,14 @@ def section(title):
     log(f"--- {title}")
 
 
+FAILED_SECTIONS = []
+
+
 def guarded(fn):
     try:
         fn()
     except Exception:  # one shot: report and go on
+        FAILED_SECTIONS.append(getattr(fn, "__name__", "?"))
         log("!!! section failed:")
         traceback.print_exc(file=sys.stdout)
     torch.cuda.synchronize()
@@ -328,6 +332,9 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(RESULTS, f, indent=1)
+    if FAILED_SECTIONS:
+        log(f"sections that failed: {', '.join(FAILED_SECTIONS)}")
+        return 1
     return 0
 
 

@@ -18,15 +18,25 @@ export PYTHONUNBUFFERED=1
 start=$(date +%s)
 status=0
 stage() { echo; echo "==== $1  (t=$(( $(date +%s) - start ))s)"; }
+# One deadline for the whole script (the device tool allows 600 s a command): each stage gets
+# a share of what is left, and -k kills a process stuck in a driver wait.
+BUDGET="${BUDGET:-540}"
+left() { local l=$(( BUDGET - ($(date +%s) - start) )); [ $l -lt 20 ] && l=20; echo $l; }
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=1 PIP_BREAK_SYSTEM_PACKAGES=1
 
 stage "machine"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>&1 || true
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || true
+nvidia-smi 2>&1 | head -15 || true  # a CUDA 13 fatbin needs an R580+ driver
 "$PY" - <<'EOF' 2>&1
 import platform, sys
 print("python", sys.version.split()[0], platform.machine())
 try:
     import setuptools; print("setuptools", setuptools.__version__)
 except Exception as e: print("setuptools: missing", e)
+for mod in ("pytest", "numpy", "hypothesis"):
+    try:
+        __import__(mod); print(mod, "present")
+    except Exception as e: print(mod, "MISSING: the GPU tests cannot run:", e)
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(),
       "devices", torch.cuda.device_count())
@@ -45,23 +55,34 @@ echo "cores: $(nproc)"
 stage "build (AMPX_CUDA=1: the fatbin must build)"
 export AMPX_CUDA=1
 built=0
-if "$PY" -m pip install --no-build-isolation --no-deps -e . >"$LOGS/build.log" 2>&1; then
-  built=1
-  grep -E "^ampx:|warning" "$LOGS/build.log" | head -20
-else
-  echo "pip install -e . failed (log tail below); falling back to setup.py build_ext --inplace"
-  tail -25 "$LOGS/build.log"
+# A build made elsewhere can travel with the run (carry ampx/_C.abi3.so and ampx/_kernels.fatbin):
+# it is kept aside and put back if building here fails.
+keep=$(mktemp -d)
+cp ampx/_C*.so ampx/_kernels.fatbin "$keep"/ 2>/dev/null && echo "carried build present: $(ls "$keep")"
+try_build() {  # $1: log file; extra nvcc flags in AMPX_NVCC_FLAGS
+  if timeout -k 10 240 "$PY" -m pip install -v --no-build-isolation --no-deps -e . >"$1" 2>&1; then
+    return 0
+  fi
+  echo "pip install -e . failed (log tail below); trying setup.py build_ext --inplace from a copy"
+  tail -15 "$1"
   # An older setuptools rejects pyproject.toml's metadata (license = "..." needs >= 77):
   # build from a copy without it, then bring the extension and the fatbin back.
-  tmp=$(mktemp -d)
+  local tmp; tmp=$(mktemp -d)
   cp -r setup.py csrc cuda ampx "$tmp"/
-  if (cd "$tmp" && "$PY" setup.py build_ext --inplace) >"$LOGS/build_fallback.log" 2>&1; then
-    cp "$tmp"/ampx/_C*.so "$tmp"/ampx/_kernels.fatbin ampx/ && built=1
-    grep -E "^ampx:" "$LOGS/build_fallback.log" | head -5
-  else
-    echo "fallback build failed too:"; tail -40 "$LOGS/build_fallback.log"
+  if (cd "$tmp" && timeout -k 10 240 "$PY" setup.py build_ext --inplace) >"$1.fallback" 2>&1; then
+    cp "$tmp"/ampx/_C*.so "$tmp"/ampx/_kernels.fatbin ampx/ && return 0
   fi
+  echo "setup.py build failed too:"; tail -30 "$1.fallback"
+  return 1
+}
+if try_build "$LOGS/build.log"; then
+  built=1
+elif AMPX_NVCC_FLAGS="-allow-unsupported-compiler" try_build "$LOGS/build2.log"; then
+  built=1; echo "built with -allow-unsupported-compiler"
+elif [ -n "$(ls "$keep")" ]; then
+  cp "$keep"/* ampx/ && built=1 && echo "BUILD FAILED HERE: using the carried build"
 fi
+grep -E "^ampx:|nvcc|warning" "$LOGS/build.log" 2>/dev/null | head -20
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 [ $built = 1 ] || status=1
 ls -la ampx/_kernels.fatbin ampx/_C*.so 2>&1
@@ -70,11 +91,11 @@ for tool in cuobjdump "$(dirname "${NVCC:-/x}")/cuobjdump"; do
 done
 
 stage "ampx on CUDA"
-"$PY" - <<'EOF' 2>&1 || status=1
+timeout -k 10 60 "$PY" - <<'EOF' 2>&1 || status=1
 import ampx, torch
 print("unavailable_reason:", ampx.cuda.unavailable_reason())
 print("is_available:", ampx.cuda.is_available())
-print("device_info:", ampx.cuda.device_info(0))
+print("device_info (driver_version: a CUDA 13 fatbin needs an R580+ driver):", ampx.cuda.device_info(0))
 x = torch.randn(1000, device="cuda")
 found = torch.zeros(1, device="cuda")
 t = ampx.ops.unscale_norm_([x], 0.5, found)
@@ -82,18 +103,25 @@ print("smoke unscale_norm_:", t.item(), "vs torch", torch.linalg.vector_norm(x).
 EOF
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  stage "tests (tests/test_cuda.py on the GPU)"
-  # The emulated-kernel tests are for machines without a GPU (slow here, and redundant).
-  timeout 240 "$PY" -m pytest -q -p no:cacheprovider -ra --durations=8 -k "not emulated" \
-      tests/test_cuda.py tests/test_scaler_cuda.py tests/test_threads.py 2>&1 | tee "$LOGS/tests.log" | tail -60
-  rc=${PIPESTATUS[0]}
-  echo "pytest exit status: $rc"
-  [ "$rc" = 0 ] || status=1
+  # One pytest per file, each with its own share of the time, so that a hang in one (NCCL in a
+  # container, say) cannot take the others with it. The emulated-kernel tests are for machines
+  # without a GPU (slow there, and redundant here).
+  for f in tests/test_cuda.py tests/test_scaler_cuda.py tests/test_threads.py; do
+    stage "tests: $f"
+    t=$(( $(left) * 30 / 100 )); [ $t -gt 200 ] && t=200
+    timeout -k 10 $t "$PY" -m pytest -q -p no:cacheprovider -ra --durations=5 -k "not emulated" "$f" \
+        2>&1 | tee -a "$LOGS/tests.log" | tail -40
+    rc=${PIPESTATUS[0]}
+    echo "pytest $f: exit status $rc (limit ${t}s)"
+    [ "$rc" = 0 ] || status=1
+  done
 fi
 
 stage "benchmarks"
-timeout 240 "$PY" benchmarks/gpu_check.py ${QUICK:+--quick} --json "$LOGS/bench.json" 2>&1 | tee "$LOGS/bench.log"
+t=$(( $(left) - 15 ))
+timeout -k 10 $t "$PY" benchmarks/gpu_check.py ${QUICK:+--quick} --json "$LOGS/bench.json" 2>&1 | tee "$LOGS/bench.log"
 rc=${PIPESTATUS[0]}
+echo "benchmarks: exit status $rc (limit ${t}s)"
 [ "$rc" = 0 ] || status=1
 
 stage "done: exit status $status, $(( $(date +%s) - start ))s in all; logs in $LOGS"

@@ -285,7 +285,15 @@ ampx_cu_dev *ampx_cu_device_get(int ordinal, ampx_cu_error *err)
         api.ModuleUnload(d->mod);
         goto fail;
     }
-    CU_TRY(api.CtxPopCurrent(&popped), "cuCtxPopCurrent");
+    pushed = 0; /* a failed pop must not be retried below: it could pop the caller's context */
+    {
+        ampx_cu_result rc = api.CtxPopCurrent(&popped);
+        if (rc != AMPX_CUDA_SUCCESS) {
+            set_cu(err, rc, "cuCtxPopCurrent");
+            api.ModuleUnload(d->mod);
+            goto fail;
+        }
+    }
     d->loaded = 1;
     return d;
 fail:
