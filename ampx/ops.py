@@ -3,8 +3,10 @@
 Every function takes a list (or tuple) of tensors, or a single tensor, in any
 mix of float32, float16, bfloat16 and float64 and of any sizes, and processes
 them all in one call of C code that runs with the GIL released, vectorised
-(AVX-512, AVX2 or portable C, chosen at run time) and threaded next to
-torch's own pool (``torch.get_num_threads()`` threads, or AMPX_NUM_THREADS).
+(AVX-512, AVX2 or portable C, chosen at run time) and threaded on torch's own
+OpenMP team when torch has one loaded, else on a small pool of ampx's
+(``torch.get_num_threads()`` threads, or AMPX_NUM_THREADS; see
+``thread_backend()``).
 
 CUDA tensors take ampx's CUDA kernels (see ``ampx.cuda``) when the first
 tensor of a call is on a CUDA device: every tensor of the call, and every
