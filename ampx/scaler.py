@@ -116,6 +116,7 @@ class GradScaler(torch.amp.GradScaler):
         # Per optimizer, for the overflow report: (params, per-tensor flags) of the last pass.
         self._flag_sources = {}
         self._last_grads = None
+        self._clip_active = {}  # per optimizer: did its last clip_grad_norm_ scale (coef < 1)?
 
     # ---- set-up -----------------------------------------------------------------------
 
@@ -355,6 +356,32 @@ class GradScaler(torch.amp.GradScaler):
             self._last_norm = total
             return total
 
+        # An optimizer that reads plain gradients needs them unscaled and clipped in memory. If
+        # the last step did not clip (norm <= max_norm), expect the same: unscale in place while
+        # computing the norm (one read-write pass, torch's own order of operations), and multiply
+        # by the coefficient only if it turns out to be < 1. Otherwise read the norm first and
+        # write once with inv_scale * coef. Either way at most two passes; the hint needs the
+        # norm on the host, so it is used with a CPU scale only.
+        plain = not (getattr(optimizer, "_step_supports_amp_scaling", False) or isinstance(optimizer, MasterWeights))
+        on_cpu = self._scale.device.type == "cpu"
+        hints = self.__dict__.setdefault("_clip_active", {})  # (absent from older pickles)
+        if state["stage"] is OptState.READY and plain and on_cpu and not hints.get(id(optimizer), True):
+            per_device, total = self._grad_pass(optimizer, self._inv_scale(), self._new_found_inf(), False,
+                                                write=True, reduce=reduce)
+            state["found_inf_per_device"] = per_device
+            self._check_clip_norm(total, norm_type, error_if_nonfinite)
+            coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+            self._last_norm = total
+            state["clipped"] = True
+            active = float(coef) < 1.0
+            if active:
+                with torch.no_grad():
+                    ops.mul_(self._last_grads, coef)
+            hints[id(optimizer)] = active
+            self._last_grads = None
+            state["stage"] = OptState.UNSCALED
+            return total
+
         if state["stage"] is OptState.READY:
             inv = self._inv_scale()
             found_inf = self._new_found_inf()
@@ -364,15 +391,13 @@ class GradScaler(torch.amp.GradScaler):
             inv = None
             _, total = self._grad_pass(optimizer, None, self._new_found_inf(), True, write=False, reduce=reduce,
                                        need_found=False)
-        if error_if_nonfinite and not math.isfinite(total.item()):
-            raise RuntimeError(
-                f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, "
-                "so it cannot be clipped. To disable this error and scale the gradients by the non-finite "
-                "norm anyway, set `error_if_nonfinite=False`")
+        self._check_clip_norm(total, norm_type, error_if_nonfinite)
         # torch's rule: coef = max_norm / (norm + 1e-6), at most 1.
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         self._last_norm = total
         state["clipped"] = True
+        if plain and on_cpu:
+            hints[id(optimizer)] = float(coef) < 1.0
         if inv is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
             self._last_grads = None
             # Folded into the fused optimizer's grad_scale at step(); nothing written now.
@@ -392,6 +417,14 @@ class GradScaler(torch.amp.GradScaler):
         self._last_grads = None
         state["stage"] = OptState.UNSCALED
         return total
+
+    @staticmethod
+    def _check_clip_norm(total, norm_type, error_if_nonfinite):
+        if error_if_nonfinite and not math.isfinite(total.item()):
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, "
+                "so it cannot be clipped. To disable this error and scale the gradients by the non-finite "
+                "norm anyway, set `error_if_nonfinite=False`")
 
     # ---- step and update --------------------------------------------------------------
 
