@@ -3,7 +3,10 @@
 #include "threadpool.h"
 
 #include <dlfcn.h>
-#include <link.h>
+#if defined(__linux__) || defined(__FreeBSD__)
+#include <link.h> /* dl_iterate_phdr: finding the loaded OpenMP runtime */
+#define AMPX_HAVE_PHDR 1
+#endif
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -113,6 +116,7 @@ static pthread_once_t omp_once = PTHREAD_ONCE_INIT;
 static gomp_parallel_fn omp_parallel;      /* NULL: no runtime loaded, use the pool */
 static char omp_path[512];
 
+#ifdef AMPX_HAVE_PHDR
 static int find_omp(struct dl_phdr_info *info, size_t size, void *data)
 {
     (void)size;
@@ -131,6 +135,7 @@ static int find_omp(struct dl_phdr_info *info, size_t size, void *data)
     }
     return 0;
 }
+#endif
 
 /* GNU libgomp's team does not survive fork: a forked child that enters a
  * parallel region hangs (torch's own ops too). A child therefore always uses
@@ -157,8 +162,12 @@ static void omp_init(void)
     const char *env = getenv("AMPX_THREADING");
     if (env != NULL && strcmp(env, "pool") == 0)
         return; /* forced onto ampx's own pool (tests, comparisons) */
+#ifdef AMPX_HAVE_PHDR
     if (dl_iterate_phdr(find_omp, NULL) == 0)
         return;
+#else
+    return; /* no portable way to list loaded objects: ampx's own pool */
+#endif
     void *h = dlopen(omp_path, RTLD_LAZY | RTLD_NOLOAD);
     if (h == NULL)
         return;
