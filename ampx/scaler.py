@@ -155,7 +155,7 @@ class GradScaler(torch.amp.GradScaler):
                 raise ValueError("Attempting to unscale FP16 gradients.")
             if hasattr(g, "to_local"):  # DTensor (FSDP2): work on this rank's shard in place
                 if for_norm and self._sharded:
-                    _check_sharded_placements(g, self._param_names.get(id(p)), len(out))
+                    _check_sharded_placements(g, self._param_names.get(id(p)), len(out), self.process_group)
                 g = g.to_local()
             if g.is_sparse:
                 if g.dtype is torch.float16 or (for_norm and not g.is_coalesced()):
@@ -696,20 +696,26 @@ def _all_reduce(buf, op, group):
     dist.all_reduce(buf, op=op, group=group)
 
 
-def _check_sharded_placements(grad, name, index):
-    """A norm summed over the group counts each element once only if no gradient is replicated
-    (or pending a reduction) across a mesh dimension of more than one rank."""
+def _check_sharded_placements(grad, name, index, group):
+    """A norm summed over ``group`` counts each element once only if no gradient is replicated
+    (or pending a reduction) across a mesh dimension that shares more than one rank with the
+    group. HSDP's replicate dimension is fine when the group is the shard dimension's."""
+    import torch.distributed as dist
     from torch.distributed.tensor import Shard
 
     mesh = grad.device_mesh
+    ours = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     for dim, placement in enumerate(grad.placements):
-        if not isinstance(placement, Shard) and mesh.size(dim) > 1:
+        if isinstance(placement, Shard) or mesh.size(dim) < 2:
+            continue
+        if len(ours.intersection(dist.get_process_group_ranks(mesh.get_group(dim)))) > 1:
             who = name or f"param[{index}]"
             raise ValueError(
-                f"ampx.GradScaler(process_group=...): the gradient of {who} is {placement} over mesh "
-                f"dimension {dim} (size {mesh.size(dim)}), so a norm summed over the group would count it "
-                "more than once; pass the group across which gradients are sharded (for HSDP, the shard "
-                "group), or leave process_group None when gradients are replicated")
+                f"ampx.GradScaler(process_group=...): the gradient of {who} is {type(placement).__name__} over mesh "
+                f"dimension {dim} (size {mesh.size(dim)}), which the scaler's group spans, so a norm "
+                "summed over the group would count it more than once; pass the group across which "
+                "gradients are sharded (for HSDP, the shard dimension's group), or leave "
+                "process_group None when gradients are replicated")
 
 
 def _fresh_states():

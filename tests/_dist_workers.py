@@ -207,8 +207,10 @@ def _reference(opt_kind):
     return {"scale": scales, "norm": norms, "params": [p.detach().clone() for p in model.parameters()]}
 
 
-def _train(rank, world, model, opt, scaler, local_grad_for_injection, every_rank=False):
-    """every_rank: inject on all ranks (DDP's gradients are replicas); else on one rank's shard."""
+def _train(rank, world, model, opt, scaler, local_grad_for_injection, every_rank=False, injects=None):
+    """every_rank: inject on all ranks (DDP's gradients are replicas); else on one rank's shard,
+    or where injects(step, rank) says (HSDP: the same shard in every replica, as a real overflow
+    would be after the replicas' all-reduce)."""
     per = GLOBAL_BATCH // world
     rec = {"scale": [], "norm": [], "collectives": []}
     for step in range(MODEL_STEPS):
@@ -216,7 +218,8 @@ def _train(rank, world, model, opt, scaler, local_grad_for_injection, every_rank
         x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
         opt.zero_grad(set_to_none=True)
         scaler.scale(_loss(model, x, y)).backward()
-        if step in INJECT and (every_rank or rank == step % world):
+        hit = injects(step, rank) if injects is not None else (every_rank or rank == step % world)
+        if step in INJECT and hit:
             g = local_grad_for_injection()
             g.view(-1)[0] = INJECT[step]
         with CountCollectives() as cc:
@@ -243,6 +246,41 @@ def scenario_fsdp2(rank, world):
     scaler = ampx.GradScaler("cpu", init_scale=2.0**10, growth_interval=10, process_group=mesh.get_group())
     first = next(model.parameters())
     rec = _train(rank, world, model, opt, scaler, lambda: first.grad.to_local())
+    rec["params"] = [p.detach().full_tensor().clone() for p in model.parameters()]
+    rec["reference"] = _reference("adamw_foreach")
+    return rec
+
+
+def scenario_hsdp(rank, world):
+    """FSDP2 on a (replicate, shard) mesh: the scaler agrees over the shard dimension only, and
+    refuses the whole world for a norm (the replicas would be counted twice)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = _make_opt("adamw_foreach", model.parameters())
+    first = next(model.parameters())
+    wrong = ampx.GradScaler("cpu", init_scale=2.0**10, process_group=dist.group.WORLD)
+    wrong.scale(torch.ones(()))
+    x, y = _batch(0)
+    per = GLOBAL_BATCH // world
+    wrong.scale(_loss(model, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])).backward()
+    try:
+        wrong.clip_grad_norm_(opt, 1.0)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    opt.zero_grad(set_to_none=True)
+    scaler = ampx.GradScaler("cpu", init_scale=2.0**10, growth_interval=10, process_group=mesh.get_group("shard"))
+    shards = world // 2
+    rec = _train(rank, world, model, opt, scaler, lambda: first.grad.to_local(),
+                 injects=lambda step, r: r % shards == step % shards)
+    rec["refused"] = refused
     rec["params"] = [p.detach().full_tensor().clone() for p in model.parameters()]
     rec["reference"] = _reference("adamw_foreach")
     return rec
@@ -276,7 +314,8 @@ def scenario_ddp(rank, world):
     return rec
 
 
-SCENARIOS = {"manual": scenario_manual, "fsdp2": scenario_fsdp2, "fsdp1": scenario_fsdp1, "ddp": scenario_ddp}
+SCENARIOS = {"manual": scenario_manual, "fsdp2": scenario_fsdp2, "fsdp1": scenario_fsdp1, "ddp": scenario_ddp,
+             "hsdp": scenario_hsdp}
 
 
 def run(rank, world, store, out_dir, names):

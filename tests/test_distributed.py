@@ -20,7 +20,7 @@ import _dist_workers as W  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 
-SCENARIOS_BY_WORLD = {2: ["manual", "fsdp2", "fsdp1", "ddp"], 4: ["manual", "fsdp2", "fsdp1"]}
+SCENARIOS_BY_WORLD = {2: ["manual", "fsdp2", "fsdp1", "ddp"], 4: ["manual", "fsdp2", "fsdp1", "hsdp"]}
 
 
 @pytest.fixture(scope="module", params=sorted(SCENARIOS_BY_WORLD))
@@ -85,7 +85,7 @@ def test_a_rank_without_gradients_takes_part(world_results):
 
 # ---- FSDP2, FSDP1, DDP against one process --------------------------------------------------
 
-@pytest.mark.parametrize("name", ["fsdp2", "fsdp1", "ddp"])
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp1", "ddp", "hsdp"])
 def test_wrapped_training_matches_one_process(world_results, name):
     world, recs = _scenario(world_results, name)
     ref = recs[0]["reference"]
@@ -105,6 +105,12 @@ def test_wrapped_training_matches_one_process(world_results, name):
     # the scale moved both ways during the run, so the comparison above means something
     scales = ref["scale"]
     assert any(b > a for a, b in zip(scales, scales[1:])) and any(b < a for a, b in zip(scales, scales[1:]))
+
+
+def test_hsdp_norm_needs_the_shard_group(world_results):
+    world, recs = _scenario(world_results, "hsdp")
+    for rec in recs:
+        assert rec["refused"] is not None and "Replicate" in rec["refused"], rec["refused"]
 
 
 # ---- single process ------------------------------------------------------------------------
