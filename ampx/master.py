@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 import torch
 
-from . import ops
+from . import _C, ops
 
 __all__ = ["MasterWeights"]
 
@@ -152,12 +152,7 @@ class MasterWeights(torch.optim.Optimizer):
     def _ampx_grads(self):
         """(params, grads) the scaler passes over: the low-precision parameters' gradients
         (still in the model), then those of the parameters stepped as they are."""
-        params, grads = [], []
-        for p in self._model_params + self._others:
-            if p.grad is not None:
-                params.append(p)
-                grads.append(p.grad)
-        return params, grads
+        return _C.collect_grads([{"params": self._model_params + self._others}])
 
     def _ampx_cast_grads_(self, factor=None, found_inf=None, flags=None):
         """Model gradients -> master gradients (times ``factor``, checked into found_inf/flags)

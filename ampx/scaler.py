@@ -205,7 +205,7 @@ class GradScaler(torch.amp.GradScaler):
             parts = [self._device_pass(optimizer, ps, gs, inv_scale, found_inf, allow_fp16, write, reduce)
                      for ps, gs in by_dev.values()]
         self._flag_sources[id(optimizer)] = [(ps, fl) for ps, fl, _, _, _ in parts]
-        self._last_grads = [g for _, _, gs, _, _ in parts for g in gs]
+        self._last_grads = parts[0][2] if len(parts) == 1 else [g for _, _, gs, _, _ in parts for g in gs]
         per_device = {}
         for _, _, _, f, _ in parts:
             per_device[f.device] = f if f.device not in per_device else per_device[f.device] + f
