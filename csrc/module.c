@@ -664,6 +664,55 @@ static Py_ssize_t add_spans(const tlist *L, span_t *out)
     return m;
 }
 
+/* A cast's tensors: S (sources) takes each destination's pointer and dtype, and the
+ * sharing rule is checked: a destination may alias only its own source, exactly (same
+ * elements, order and dtype); any other overlap with a destination would make the result
+ * depend on the order of the work. Spans are those of the caller's tensors, not of any
+ * contiguous copy. Returns 0, or -1 with ValueError (or MemoryError) set. */
+static int pair_cast_tensors(const char *op, tlist *S, const tlist *D)
+{
+    for (Py_ssize_t i = 0; i < S->n; i++) {
+        S->ts[i].src = S->ts[i].ptr;
+        S->ts[i].src_dtype = S->ts[i].dtype;
+        S->ts[i].ptr = D->ts[i].ptr;
+        S->ts[i].dtype = D->ts[i].dtype;
+    }
+    span_t *spans = (span_t *)malloc((size_t)(2 * S->n + 1) * sizeof *spans);
+    if (spans == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t m = 0;
+    for (Py_ssize_t i = 0; i < S->n; i++) {
+        if (S->ts[i].numel == 0)
+            continue;
+        int exact_alias = S->lo[i] == D->lo[i] && S->hi[i] == D->hi[i] && S->nc[i] == D->nc[i] &&
+                          S->layout[i] == D->layout[i] && S->ts[i].src_dtype == S->ts[i].dtype;
+        spans[m].lo = D->lo[i];
+        spans[m].hi = D->hi[i];
+        spans[m].idx = i;
+        spans[m].written = 1;
+        m++;
+        if (exact_alias)
+            continue;
+        spans[m].lo = S->lo[i];
+        spans[m].hi = S->hi[i];
+        spans[m].idx = i;
+        spans[m].written = 0;
+        m++;
+    }
+    span_t x, y;
+    int overlap = find_overlap(spans, m, &x, &y);
+    free(spans);
+    if (overlap) {
+        PyErr_Format(PyExc_ValueError, "%s: %s[%zd] and %s[%zd] (may) share memory; a cast needs distinct "
+                     "destinations (or a destination that is exactly its own source)",
+                     op, x.written ? "dst" : "src", x.idx, y.written ? "dst" : "src", y.idx);
+        return -1;
+    }
+    return 0;
+}
+
 /* ---- running a job -------------------------------------------------------- */
 
 static int run_job(const ampx_job *job, const ampx_tensor *ts, Py_ssize_t n, int64_t total,
@@ -820,7 +869,6 @@ static PyObject *py_cast(PyObject *module, PyObject *args)
     }
     PyObject *result = NULL;
     ampx_partial *parts = NULL;
-    span_t *spans = NULL;
     double factor = 1.0;
     void *found = NULL, *flags = NULL;
     if (S.n != D.n) {
@@ -854,47 +902,11 @@ static PyObject *py_cast(PyObject *module, PyObject *args)
         if (get_data_ptr(st, D.tmp[i], &D.ts[i].ptr) < 0)
             goto done;
     }
-    /* A destination may alias its own source exactly (an in-place cast);
-     * any other overlap with a destination would make the result depend on
-     * the order of the work, so it is refused. */
-    spans = (span_t *)malloc((size_t)(2 * S.n + 1) * sizeof *spans);
-    parts = (ampx_partial *)calloc(S.n > 0 ? (size_t)S.n : 1u, sizeof *parts);
-    if (spans == NULL || parts == NULL) {
-        PyErr_NoMemory();
+    if (pair_cast_tensors(op, &S, &D) < 0)
         goto done;
-    }
-    for (Py_ssize_t i = 0; i < S.n; i++) {
-        S.ts[i].src = S.ts[i].ptr;
-        S.ts[i].src_dtype = S.ts[i].dtype;
-        S.ts[i].ptr = D.ts[i].ptr;
-        S.ts[i].dtype = D.ts[i].dtype;
-    }
-    Py_ssize_t m = 0;
-    for (Py_ssize_t i = 0; i < S.n; i++) {
-        if (S.ts[i].numel == 0)
-            continue;
-        /* The spans are those of the caller's tensors, not of any copy. */
-        /* An exact alias: the same elements in the same order, same dtype. */
-        int exact_alias = S.lo[i] == D.lo[i] && S.hi[i] == D.hi[i] && S.nc[i] == D.nc[i] &&
-                          S.layout[i] == D.layout[i] && S.ts[i].src_dtype == S.ts[i].dtype;
-        spans[m].lo = D.lo[i];
-        spans[m].hi = D.hi[i];
-        spans[m].idx = i;
-        spans[m].written = 1;
-        m++;
-        if (exact_alias)
-            continue;
-        spans[m].lo = S.lo[i];
-        spans[m].hi = S.hi[i];
-        spans[m].idx = i;
-        spans[m].written = 0;
-        m++;
-    }
-    span_t x, y;
-    if (find_overlap(spans, m, &x, &y)) {
-        PyErr_Format(PyExc_ValueError, "%s: %s[%zd] and %s[%zd] (may) share memory; a cast needs distinct "
-                     "destinations (or a destination that is exactly its own source)",
-                     op, x.written ? "dst" : "src", x.idx, y.written ? "dst" : "src", y.idx);
+    parts = (ampx_partial *)calloc(S.n > 0 ? (size_t)S.n : 1u, sizeof *parts);
+    if (parts == NULL) {
+        PyErr_NoMemory();
         goto done;
     }
 
@@ -912,7 +924,6 @@ static PyObject *py_cast(PyObject *module, PyObject *args)
     write_outputs(parts, S.n, AMPX_REDUCE_NONE, (float *)found, (uint8_t *)flags, NULL, NULL);
     result = new_ref(Py_None);
 done:
-    free(spans);
     free(parts);
     tlist_free(&S);
     tlist_free(&D);
@@ -1257,7 +1268,6 @@ static PyObject *py_cuda_cast(PyObject *module, PyObject *args)
         return NULL;
     }
     PyObject *result = NULL, *ws_keep = NULL;
-    span_t *spans = NULL;
     ampx_cu_tensor *cts = NULL;
     ampx_cu_job job;
     memset(&job, 0, sizeof job);
@@ -1296,45 +1306,9 @@ static PyObject *py_cuda_cast(PyObject *module, PyObject *args)
         if (get_data_ptr(st, D.tmp[i], &D.ts[i].ptr) < 0)
             goto done;
     }
-    /* The sharing rules of the CPU path: a destination may only alias its
-     * own source exactly. */
-    spans = (span_t *)malloc((size_t)(2 * S.n + 1) * sizeof *spans);
-    if (spans == NULL) {
-        PyErr_NoMemory();
+    /* The sharing rules of the CPU path. */
+    if (pair_cast_tensors(op, &S, &D) < 0)
         goto done;
-    }
-    for (Py_ssize_t i = 0; i < S.n; i++) {
-        S.ts[i].src = S.ts[i].ptr;
-        S.ts[i].src_dtype = S.ts[i].dtype;
-        S.ts[i].ptr = D.ts[i].ptr;
-        S.ts[i].dtype = D.ts[i].dtype;
-    }
-    Py_ssize_t m = 0;
-    for (Py_ssize_t i = 0; i < S.n; i++) {
-        if (S.ts[i].numel == 0)
-            continue;
-        int exact_alias = S.lo[i] == D.lo[i] && S.hi[i] == D.hi[i] && S.nc[i] == D.nc[i] &&
-                          S.layout[i] == D.layout[i] && S.ts[i].src_dtype == S.ts[i].dtype;
-        spans[m].lo = D.lo[i];
-        spans[m].hi = D.hi[i];
-        spans[m].idx = i;
-        spans[m].written = 1;
-        m++;
-        if (exact_alias)
-            continue;
-        spans[m].lo = S.lo[i];
-        spans[m].hi = S.hi[i];
-        spans[m].idx = i;
-        spans[m].written = 0;
-        m++;
-    }
-    span_t x, y;
-    if (find_overlap(spans, m, &x, &y)) {
-        PyErr_Format(PyExc_ValueError, "%s: %s[%zd] and %s[%zd] (may) share memory; a cast needs distinct "
-                     "destinations (or a destination that is exactly its own source)",
-                     op, x.written ? "dst" : "src", x.idx, y.written ? "dst" : "src", y.idx);
-        goto done;
-    }
     ampx_cu_error err;
     const ampx_cu_dev *dev = ampx_cu_device_get(device, &err);
     if (dev == NULL) {
@@ -1365,7 +1339,6 @@ static PyObject *py_cuda_cast(PyObject *module, PyObject *args)
     result = new_ref(Py_None);
 done:
     free(cts);
-    free(spans);
     Py_XDECREF(ws_keep);
     tlist_free(&S);
     tlist_free(&D);
