@@ -1098,6 +1098,32 @@ static ampx_cu_tensor *cuda_tensors(const tlist *L)
     return c;
 }
 
+/* What every CUDA data call needs before its launches: the device (its module
+ * loaded), the tensors in the launcher's form, and a workspace from torch's
+ * allocator sized for them. Returns the device, or NULL with an exception set;
+ * the caller frees *cts and releases *ws_keep. */
+static const ampx_cu_dev *cuda_prepare(mstate *st, const char *op, int device, PyObject *alloc,
+                                       const ampx_cu_job *job, const tlist *L, ampx_cu_tensor **cts,
+                                       int64_t *chunks, PyObject **ws_keep, ampx_cu_deviceptr *ws)
+{
+    ampx_cu_error err;
+    const ampx_cu_dev *dev = ampx_cu_device_get(device, &err);
+    if (dev == NULL) {
+        cu_raise(op, &err);
+        return NULL;
+    }
+    if ((*cts = cuda_tensors(L)) == NULL)
+        return NULL;
+    int64_t bytes = ampx_cu_workspace_bytes(job, *cts, L->n, chunks);
+    if (bytes < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: too many elements for one call", op);
+        return NULL;
+    }
+    if (cuda_workspace(st, op, alloc, bytes, ws_keep, ws) < 0)
+        return NULL;
+    return dev;
+}
+
 /* Every tensor in list order through one launcher, the GIL released. */
 static int cuda_run_batched(const char *op, const ampx_cu_dev *dev, unsigned long long stream,
                             const ampx_cu_job *job, const ampx_cu_tensor *cts, Py_ssize_t n, int64_t chunks,
@@ -1183,21 +1209,10 @@ static PyObject *py_cuda_scale_reduce(PyObject *module, PyObject *args)
         sequential = find_overlap(spans, add_spans(&L, spans), &x, &y);
     }
     ampx_cu_error err;
-    const ampx_cu_dev *dev = ampx_cu_device_get(device, &err);
-    if (dev == NULL) {
-        cu_raise(op, &err);
-        goto done;
-    }
-    if ((cts = cuda_tensors(&L)) == NULL)
-        goto done;
     int64_t chunks = 0;
-    int64_t bytes = ampx_cu_workspace_bytes(&job, cts, L.n, &chunks);
-    if (bytes < 0) {
-        PyErr_Format(PyExc_ValueError, "%s: too many elements for one call", op);
-        goto done;
-    }
     ampx_cu_deviceptr ws = 0;
-    if (cuda_workspace(st, op, alloc, bytes, &ws_keep, &ws) < 0)
+    const ampx_cu_dev *dev = cuda_prepare(st, op, device, alloc, &job, &L, &cts, &chunks, &ws_keep, &ws);
+    if (dev == NULL)
         goto done;
     if (!sequential) {
         if (cuda_run_batched(op, dev, stream, &job, cts, L.n, chunks, ws) < 0)
@@ -1310,21 +1325,10 @@ static PyObject *py_cuda_cast(PyObject *module, PyObject *args)
     if (pair_cast_tensors(op, &S, &D) < 0)
         goto done;
     ampx_cu_error err;
-    const ampx_cu_dev *dev = ampx_cu_device_get(device, &err);
-    if (dev == NULL) {
-        cu_raise(op, &err);
-        goto done;
-    }
-    if ((cts = cuda_tensors(&S)) == NULL)
-        goto done;
     int64_t chunks = 0;
-    int64_t bytes = ampx_cu_workspace_bytes(&job, cts, S.n, &chunks);
-    if (bytes < 0) {
-        PyErr_Format(PyExc_ValueError, "%s: too many elements for one call", op);
-        goto done;
-    }
     ampx_cu_deviceptr ws = 0;
-    if (cuda_workspace(st, op, alloc, bytes, &ws_keep, &ws) < 0)
+    const ampx_cu_dev *dev = cuda_prepare(st, op, device, alloc, &job, &S, &cts, &chunks, &ws_keep, &ws);
+    if (dev == NULL)
         goto done;
     if (cuda_run_batched(op, dev, stream, &job, cts, S.n, chunks, ws) < 0)
         goto done;
