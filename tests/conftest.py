@@ -305,3 +305,36 @@ def round_f64_to(x, dtype):
     v = np.where(v >= 2.0**emax, np.inf, v)
     out[fin] = np.copysign(v, a[fin])
     return torch.from_numpy(out).reshape(x.shape).to(dtype)  # exact: already representable
+
+
+# ---- shared by the CPU and CUDA kernel tests ----------------------------------------------
+
+DT_IDS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64"}
+
+
+def dt_id(dt):
+    return DT_IDS[dt]
+
+
+def expected_flags(tensors):
+    """Per-tensor flag bytes (bit 0 inf, bit 1 NaN), computed with torch on the host."""
+    from ampx.ops import FLAG_INF, FLAG_NAN
+
+    out = []
+    for t in tensors:
+        v = t.detach().cpu()
+        f = 0
+        if v.numel() and torch.isinf(v).any():
+            f |= FLAG_INF
+        if v.numel() and torch.isnan(v).any():
+            f |= FLAG_NAN
+        out.append(f)
+    return out
+
+
+def any_nonfinite(tensors):
+    return any(f != 0 for f in expected_flags(tensors))
+
+
+def clones(tensors):
+    return [t.clone() for t in tensors]

@@ -33,6 +33,10 @@ import torch
 import ampx
 from ampx import _C, ops
 from conftest import (
+    any_nonfinite,
+    clones,
+    dt_id,
+    expected_flags,
     CHUNK,
     FLOAT_DTYPES,
     SMALL_SIZES,
@@ -49,7 +53,6 @@ from conftest import (
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORDS = [2.0, 1.0, math.inf]
-DT_IDS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64"}
 FLAG_INF, FLAG_NAN = ops.FLAG_INF, ops.FLAG_NAN
 
 CUDA = torch.cuda.is_available() and ampx.cuda.is_available()
@@ -66,37 +69,12 @@ _EDGES = sorted({m * w * BLOCK for w in (2, 4, 8) for m in (1, 4)} | {CHUNK, 2 *
 CUDA_SIZES = sorted(set(SMALL_SIZES) | {e + d for e in _EDGES for d in (-1, 0, 1)} | {3 * CHUNK + 4097})
 
 
-def dt_id(dt):
-    return DT_IDS[dt]
-
-
-def expected_flags(tensors):
-    out = []
-    for t in tensors:
-        v = t.detach().cpu()
-        f = 0
-        if v.numel() and torch.isinf(v).any():
-            f |= FLAG_INF
-        if v.numel() and torch.isnan(v).any():
-            f |= FLAG_NAN
-        out.append(f)
-    return out
-
-
-def any_nonfinite(tensors):
-    return any(f != 0 for f in expected_flags(tensors))
-
-
 def dev(tensors):
     return [t.to("cuda") for t in tensors]
 
 
 def host(tensors):
     return [t.detach().cpu() for t in tensors]
-
-
-def clones(tensors):
-    return [t.clone() for t in tensors]
 
 
 def assert_same_float(got, ref, msg=""):

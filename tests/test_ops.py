@@ -20,6 +20,10 @@ from hypothesis.extra import numpy as hnp
 import ampx
 from ampx import ops
 from conftest import (
+    any_nonfinite,
+    clones,
+    dt_id,
+    expected_flags,
     ALL_SIZES,
     CHUNK,
     FLOAT_DTYPES,
@@ -43,32 +47,6 @@ from conftest import (
 
 ORDS = [2.0, 1.0, math.inf]
 FLAG_INF, FLAG_NAN = ops.FLAG_INF, ops.FLAG_NAN
-DT_IDS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64"}
-
-
-def dt_id(dt):
-    return DT_IDS[dt]
-
-
-def expected_flags(tensors):
-    out = []
-    for t in tensors:
-        v = t.detach()
-        f = 0
-        if v.numel() and torch.isinf(v).any():
-            f |= FLAG_INF
-        if v.numel() and torch.isnan(v).any():
-            f |= FLAG_NAN
-        out.append(f)
-    return out
-
-
-def any_nonfinite(tensors):
-    return any(f != 0 for f in expected_flags(tensors))
-
-
-def clones(tensors):
-    return [t.clone() for t in tensors]
 
 
 def assert_list_unchanged(tensors, originals, msg=""):
