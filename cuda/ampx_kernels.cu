@@ -471,12 +471,13 @@ __device__ __forceinline__ part_t scale_chunk(char *p, int64_t len, float fs, do
     return st.result();
 }
 
-template <int RD, bool WR, bool SC>
-struct scale_body {
+/* The launch's arguments and its factor: read from device memory when the caller passed a
+ * tensor (so nothing waited for the host), else the number in the arguments. */
+struct with_factor {
     const ampx_cu_args &a;
     float fs;
     double fd;
-    __device__ __forceinline__ scale_body(const ampx_cu_args &args) : a(args)
+    __device__ __forceinline__ with_factor(const ampx_cu_args &args) : a(args)
     {
         if (a.factor_ptr != 0) {
             fs = *reinterpret_cast<const float *>(a.factor_ptr);
@@ -486,6 +487,11 @@ struct scale_body {
             fs = (float)a.factor;
         }
     }
+};
+
+template <int RD, bool WR, bool SC>
+struct scale_body : with_factor {
+    __device__ __forceinline__ scale_body(const ampx_cu_args &args) : with_factor(args) {}
     __device__ __forceinline__ part_t operator()(int slot, int64_t start, int64_t len)
     {
         const int dt = a.dtype[slot];
@@ -665,20 +671,8 @@ __device__ __forceinline__ part_t cast_chunk(const char *s, char *d, int64_t len
     return r;
 }
 
-struct cast_body {
-    const ampx_cu_args &a;
-    float fs;
-    double fd;
-    __device__ __forceinline__ cast_body(const ampx_cu_args &args) : a(args)
-    {
-        if (a.factor_ptr != 0) {
-            fs = *reinterpret_cast<const float *>(a.factor_ptr);
-            fd = (double)fs;
-        } else {
-            fd = a.factor;
-            fs = (float)a.factor;
-        }
-    }
+struct cast_body : with_factor {
+    __device__ __forceinline__ cast_body(const ampx_cu_args &args) : with_factor(args) {}
 
     template <int S, int D, bool SR>
     __device__ __forceinline__ part_t go(int slot, int64_t start, int64_t len)
