@@ -38,6 +38,7 @@ state, not for tensors that need a backward pass.
 """
 import math
 import os
+import sys
 
 import torch
 
@@ -57,6 +58,7 @@ __all__ = [
     "simd_level",
     "available_simd_levels",
     "thread_backend",
+    "tensor_reader",
 ]
 
 FLAG_INF = _C.FLAG_INF
@@ -75,6 +77,42 @@ if _env_threads is not None:
         raise ImportError(f"AMPX_NUM_THREADS={_env_threads!r} must be a positive integer") from None
 else:
     _FIXED_THREADS = None
+
+
+def _shim_probes():
+    """Plain tensors and Parameters of every kind the fast read must get right or decline."""
+    x = torch.randn(3, requires_grad=True)
+    (x * 2.0).sum().backward()
+    probes = [torch.empty(0), torch.empty(0, 5), torch.randn(5), torch.randn(4, 4).t(), torch.randn(6)[2:],
+              torch.randn(8).view(2, 4)[:, 1], torch.nn.Parameter(torch.randn(3)), x.grad,
+              torch.empty(2, 0, 3).transpose(0, 2)]
+    probes += [torch.arange(7, dtype=dt) for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64)]
+    return probes
+
+
+def _enable_tensor_shim():
+    """Turns on the fast read of plain tensors through torch's C shim; returns None or why not."""
+    if os.environ.get("AMPX_TENSOR_SHIM", "1") == "0":
+        return "turned off by AMPX_TENSOR_SHIM=0"
+    if not sys.platform.startswith("linux"):
+        return "only looked for on Linux"
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    if not os.path.exists(lib):
+        return f"{lib} does not exist"
+    return _C._enable_tensor_shim(lib, torch.nn.Parameter, _shim_probes())
+
+
+_SHIM_WHY_NOT = _enable_tensor_shim()
+
+
+def tensor_reader():
+    """How the kernels read a plain tensor's pointer, size, dtype and device: "torch C shim"
+    (torch's stable C functions, about ten times cheaper than Python attribute reads, which
+    matters with thousands of small tensors), or "python attributes: <why>". Tensor
+    subclasses, non-contiguous and unusual tensors always take the attribute path."""
+    if _C._set_tensor_shim():
+        return "torch C shim"
+    return f"python attributes: {_SHIM_WHY_NOT or 'turned off'}"
 
 
 def _threads():

@@ -288,6 +288,7 @@ def run_breakdown(bench, case, ts, inv):
     numel = ts[0].numel()
     dtype = ts[0].dtype
     one = [torch.randn(n * numel).to(dtype)]           # same bytes, one tensor
+    views = list(one[0].split(numel))                   # same count and bytes, one block of memory
     tiny = [torch.randn(1).to(dtype) for _ in range(n)]  # same count, ~no bytes
     fi = torch.zeros(1)
 
@@ -315,6 +316,9 @@ def run_breakdown(bench, case, ts, inv):
         f"ampx unscale_ {n:,} x {numel:,} (pre-built list)": lambda: ops.unscale_(ts, inv, fi),
         f"ampx unscale_ 1 x {n * numel:,} (same bytes)": lambda: ops.unscale_(one, inv, fi),
         f"ampx unscale_ {n:,} x 1 (per-tensor cost only)": lambda: ops.unscale_(tiny, inv, fi),
+        f"ampx unscale_ {n:,} x {numel:,} views of one block": lambda: ops.unscale_(views, inv, fi),
+        f"torch unscale {n:,} x {numel:,} views of one block":
+            lambda: torch._amp_foreach_non_finite_check_and_unscale_(views, fi, inv),
         "Python loop: data_ptr/numel/is_contiguous/dtype/is_cpu": py_loop,
         "  of which: empty `for t in ts` loop": empty_loop,
     }
@@ -336,11 +340,14 @@ def run_breakdown(bench, case, ts, inv):
         rows.append({"what": k, "median_s": t, "us_per_tensor": t / n * 1e6, "frac_of_ampx": t / base})
     print(f"{'=> per-tensor overhead of ampx (list - one tensor) / count':<60} "
           f"{'':>9} {per_tensor_us:10.3f} {(base - med[names[1]]) / base:8.2f}")
-    attr = med[names[3]] - med[names[4]]  # the five reads, less the bare loop
+    attr = med[names[5]] - med[names[6]]  # the five reads, less the bare loop
     print(f"   Reading the 5 attributes costs {attr / n * 1e6:.3f} us/tensor in Python "
           f"(loop overhead removed): {attr / base:.0%} of the ampx call, "
           f"{attr / max(base - med[names[1]], 1e-12):.0%} of its per-tensor overhead.")
-    del one, tiny
+    print(f"   The same count and bytes as views of one block of memory: ampx {fmt_ms(med[names[3]]).strip()} ms, "
+          f"torch {fmt_ms(med[names[4]]).strip()} ms ({med[names[4]] / med[names[3]]:.2f}x); separately allocated "
+          f"tensors cost ampx {base / med[names[3]]:.2f}x that (their memory is scattered between allocator blocks).")
+    del one, tiny, views
     return {"case": case, "count": n, "numel": numel, "reps": reps, "rows": rows,
             "per_tensor_overhead_us": per_tensor_us, "python_attr_read_us_per_tensor": attr / n * 1e6}
 
@@ -370,6 +377,7 @@ def machine_info():
         "torch_num_threads": torch.get_num_threads(),
         "ampx_threads": ops._threads(),
         "ampx_simd": ops.simd_level(),
+        "ampx_tensor_reader": ops.tensor_reader(),
         "ampx_simd_available": ops.available_simd_levels(),
         "torch_version": torch.__version__,
         "ampx_version": getattr(ampx, "__version__", "?"),
@@ -442,6 +450,7 @@ def main(argv=None):
     print(f"CPU:     {info['cpu_model']}  ({info['cpu_count']} logical CPUs, {info['cpus_usable']} usable)")
     print(f"threads: torch.get_num_threads() = {info['torch_num_threads']}, ampx threads = {info['ampx_threads']}")
     print(f"SIMD:    ampx {info['ampx_simd']} (available: {', '.join(info['ampx_simd_available'])})")
+    print(f"Tensors: ampx reads them through {info['ampx_tensor_reader']}")
     print(f"torch:   {info['torch_version']}   ampx: {info['ampx_version']}   python: {info['python']}")
     if "loadavg_at_start" in info:
         print("load:    1/5/15-min load average at start: " + " / ".join(f"{x:.2f}" for x in info["loadavg_at_start"]))

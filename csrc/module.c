@@ -2,9 +2,11 @@
  * module.c: ampx._C, the C extension behind ampx.ops.
  *
  * Written against the limited C API of Python 3.9 (one abi3 build serves
- * every later Python) and without any torch header: a tensor is read
- * through its Python attributes (dtype, is_cpu, numel(), is_contiguous(),
- * data_ptr()), so one build serves every torch version too.
+ * every later Python) and without any torch header, so one build serves
+ * every torch version too. A plain tensor's metadata is read through torch's
+ * stable C shim when the start-up probe allows it (torch_shim.h); any other
+ * tensor through its Python attributes (dtype, is_cpu, nbytes,
+ * is_contiguous(), data_ptr()).
  *
  * Each entry point validates every argument before any memory is written,
  * so bad input raises a Python exception and leaves the tensors untouched.
@@ -27,12 +29,15 @@
 #include "cuda_driver.h"
 #include "multi_tensor.h"
 #include "threadpool.h"
+#include "torch_shim.h"
 
 /* Below this many elements a call keeps the GIL: releasing it costs more. */
 #define GIL_RELEASE_MIN ((int64_t)1 << 14)
 
 typedef struct {
     PyObject *tensor_type; /* torch.Tensor */
+    PyObject *param_type;  /* torch.nn.Parameter: read through the shim too (see tlist_gather) */
+    PyObject *descr_is_neg; /* TensorBase.is_neg, called on casts' tensors */
     PyObject *dtypes[AMPX_NUM_DTYPES];
     PyObject *dtype_u8, *dtype_i32;
     PyObject *strided;          /* torch.strided */
@@ -47,7 +52,8 @@ typedef struct {
     descrgetfunc getter_is_cuda;
     PyObject *s_get_device;
     PyObject *s_dtype, *s_is_cpu, *s_is_cuda, *s_device, *s_layout, *s_numel, *s_is_contiguous,
-        *s_data_ptr, *s_contiguous, *s_copy_, *s_grad, *s_params, *s_size, *s_stride, *s_nbytes;
+        *s_data_ptr, *s_contiguous, *s_copy_, *s_grad, *s_params, *s_size, *s_stride, *s_nbytes,
+        *s_cdata, *s_resolve_neg;
 } mstate;
 
 /* Py_NewRef and Py_XSETREF are not in the 3.9 limited API. */
@@ -478,6 +484,7 @@ typedef struct {
     PyObject *seq;         /* owned tuple of the tensors: keeps them alive while the GIL is released */
     ampx_tensor *ts;       /* n descriptors */
     unsigned char *nc;     /* n: non-contiguous (handled through a contiguous copy) */
+    unsigned char *neg;    /* n: has torch's negative bit (read for casts only; else all 0) */
     PyObject **tmp;        /* n: owned contiguous copies, or NULL */
     uintptr_t *lo, *hi;    /* n: the memory each tensor's elements span (its own, not a copy's) */
     uint64_t *layout;      /* n: fingerprint of a non-contiguous tensor's sizes and strides (else 0) */
@@ -496,6 +503,7 @@ static void tlist_free(tlist *L)
     Py_XDECREF(L->seq);
     free(L->ts);
     free(L->nc);
+    free(L->neg);
     free(L->tmp);
     free(L->lo);
     free(L->hi);
@@ -503,13 +511,53 @@ static void tlist_free(tlist *L)
     memset(L, 0, sizeof *L);
 }
 
+/* Whether tensor t has torch's negative bit set (its values are the negation
+ * of what its memory holds: torch._neg_view, conj().imag of a complex tensor).
+ * Asked while the gather has the tensor's TensorImpl in cache: asked later,
+ * in a second loop over thousands of tensors, each call was a cache miss. */
+static int neg_flag(mstate *st, PyObject *t, unsigned char *out)
+{
+    if (st->descr_is_neg == NULL && (st->descr_is_neg = PyObject_GetAttrString(st->tensor_type, "is_neg")) == NULL)
+        return -1;
+    PyObject *r = PyObject_CallFunctionObjArgs(st->descr_is_neg, t, NULL);
+    if (r == NULL)
+        return -1;
+    *out = (unsigned char)(r == Py_True);
+    Py_DECREF(r);
+    return 0;
+}
+
+/* Whether t is a plain torch.Tensor or Parameter: the tensors the shim reads. */
+static int is_plain(mstate *st, PyObject *t)
+{
+    return Py_TYPE(t) == (PyTypeObject *)st->tensor_type || Py_TYPE(t) == (PyTypeObject *)st->param_type;
+}
+
+/* Prefetch distances (in tensors) of the shim's three stages (torch_shim.h). */
+#define PF_OBJ 12
+#define PF_IMPL 8
+#define PF_STORAGE 4
+
+/* While tensor i of tuple seq is read, asks for the memory of those to come. */
+static void prefetch_ahead(mstate *st, PyObject *seq, Py_ssize_t i, Py_ssize_t n)
+{
+    if (i + PF_OBJ < n)
+        ampx_shim_prefetch1(seq_item(seq, i + PF_OBJ));
+    PyObject *u;
+    if (i + PF_IMPL < n && is_plain(st, u = seq_item(seq, i + PF_IMPL)))
+        ampx_shim_prefetch2(u);
+    if (i + PF_STORAGE < n && is_plain(st, u = seq_item(seq, i + PF_STORAGE)))
+        ampx_shim_prefetch3(u);
+}
+
 /* Reads every tensor of seq (a list or tuple) into L: CPU tensors (device
  * -1), or tensors of CUDA device `device`. For a list that will be written
  * (`write`), a non-contiguous tensor must not overlap itself; its copy is
  * made later, when it is processed. For a read-only list the copy is made
- * here. On error L is freed and an exception is set. */
+ * here. With `want_neg` (casts), each tensor's negative bit is recorded in
+ * L->neg. On error L is freed and an exception is set. */
 static int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *seq, int write,
-                        int refuse_fp16, int device, tlist *L)
+                        int refuse_fp16, int device, int want_neg, tlist *L)
 {
     memset(L, 0, sizeof *L);
     if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
@@ -537,20 +585,24 @@ static int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *s
     size_t m = n > 0 ? (size_t)n : 1u;
     L->ts = (ampx_tensor *)calloc(m, sizeof *L->ts);
     L->nc = (unsigned char *)calloc(m, 1);
+    L->neg = (unsigned char *)calloc(m, 1);
     L->tmp = (PyObject **)calloc(m, sizeof *L->tmp);
     L->lo = (uintptr_t *)calloc(m, sizeof *L->lo);
     L->hi = (uintptr_t *)calloc(m, sizeof *L->hi);
     L->layout = (uint64_t *)calloc(m, sizeof *L->layout);
-    if (L->ts == NULL || L->nc == NULL || L->tmp == NULL || L->lo == NULL || L->hi == NULL ||
+    if (L->ts == NULL || L->nc == NULL || L->neg == NULL || L->tmp == NULL || L->lo == NULL || L->hi == NULL ||
         L->layout == NULL) {
         tlist_free(L);
         PyErr_NoMemory();
         return -1;
     }
+    int shim = ampx_shim_enabled();
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *t = seq_item(L->seq, i);
         if (t == NULL)
             goto error;
+        if (shim)
+            prefetch_ahead(st, L->seq, i, n);
         ampx_tensor *d = &L->ts[i];
         int contig = 0;
         d->index = (uint32_t)i;
@@ -558,6 +610,29 @@ static int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *s
             PyErr_Format(PyExc_TypeError, "%s: %s[%zd] must be a torch.Tensor, not %R", op, arg, i,
                          (PyObject *)Py_TYPE(t));
             goto error;
+        }
+        ampx_shim_meta m;
+        if (shim && is_plain(st, t) && ampx_shim_read(t, &m) &&
+            (device < 0 ? m.device_type == AMPX_SHIM_CPU
+                        : m.device_type == AMPX_SHIM_CUDA && m.device_index == device)) {
+            /* The fast read: a plain, contiguous tensor of a supported dtype on
+             * the right device. Anything else falls through to the Python
+             * attributes below, which handle it or raise the error. */
+            if (refuse_fp16 && m.dtype == AMPX_F16) {
+                PyErr_SetString(PyExc_ValueError, "Attempting to unscale FP16 gradients.");
+                goto error;
+            }
+            d->dtype = m.dtype;
+            d->numel = m.numel;
+            L->total += m.numel;
+            if (m.numel == 0)
+                continue;
+            if (want_neg && neg_flag(st, t, &L->neg[i]) < 0)
+                goto error;
+            d->ptr = m.ptr;
+            L->lo[i] = (uintptr_t)m.ptr;
+            L->hi[i] = L->lo[i] + (uintptr_t)(m.numel * elem_size[m.dtype]);
+            continue;
         }
         if ((d->dtype = dtype_code(st, op, arg, i, t)) < 0)
             goto error;
@@ -572,6 +647,8 @@ static int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *s
         L->total += d->numel;
         if (d->numel == 0)
             continue;
+        if (want_neg && neg_flag(st, t, &L->neg[i]) < 0)
+            goto error;
         if (contig) {
             if (get_data_ptr(st, t, &d->ptr) < 0)
                 goto error;
@@ -713,6 +790,52 @@ static int pair_cast_tensors(const char *op, tlist *S, const tlist *D)
     return 0;
 }
 
+/* A contiguous tensor holding the values of t with no negative bit (new reference). */
+static PyObject *resolved_copy(mstate *st, PyObject *t)
+{
+    PyObject *r = call0(t, st->s_resolve_neg);
+    if (r == NULL)
+        return NULL;
+    PyObject *c = call0(r, st->s_contiguous);
+    Py_DECREF(r);
+    return c;
+}
+
+/* Where a cast's kernel reads and writes. Non-contiguous destinations are
+ * written through contiguous copies, copied back afterwards. The scale, check
+ * and norm kernels are right on a tensor with the negative bit (scaling
+ * commutes with negation; checks and norms see magnitudes), but a cast would
+ * carry the stored sign over: a negated source is read through a resolved
+ * copy, and a negated destination written through one (copy_ then negates). */
+static int cast_staging(mstate *st, tlist *S, tlist *D)
+{
+    for (Py_ssize_t i = 0; i < D->n; i++) {
+        if (!D->nc[i])
+            continue;
+        if ((D->tmp[i] = call0(seq_item(D->seq, i), st->s_contiguous)) == NULL)
+            return -1;
+        if (get_data_ptr(st, D->tmp[i], &D->ts[i].ptr) < 0)
+            return -1;
+    }
+    for (Py_ssize_t i = 0; i < S->n; i++) {
+        if (S->ts[i].numel == 0)
+            continue;
+        for (int side = 0; side < 2; side++) {
+            tlist *L = side == 0 ? S : D;
+            if (!L->neg[i])
+                continue;
+            PyObject *c = resolved_copy(st, seq_item(L->seq, i));
+            if (c == NULL)
+                return -1;
+            Py_XDECREF(L->tmp[i]);
+            L->tmp[i] = c;
+            if (get_data_ptr(st, c, &L->ts[i].ptr) < 0)
+                return -1;
+        }
+    }
+    return 0;
+}
+
 /* ---- running a job -------------------------------------------------------- */
 
 static int run_job(const ampx_job *job, const ampx_tensor *ts, Py_ssize_t n, int64_t total,
@@ -777,7 +900,7 @@ static PyObject *py_scale_reduce(PyObject *module, PyObject *args)
     }
     const int write = mode & AMPX_M_WRITE, reduce = AMPX_MODE_REDUCE(mode);
     tlist L;
-    if (tlist_gather(st, op, "tensors", seq, write, refuse_fp16, -1, &L) < 0)
+    if (tlist_gather(st, op, "tensors", seq, write, refuse_fp16, -1, 0, &L) < 0)
         return NULL;
 
     PyObject *result = NULL;
@@ -861,9 +984,9 @@ static PyObject *py_cast(PyObject *module, PyObject *args)
     if (require_init(st) < 0)
         return NULL;
     tlist S, D;
-    if (tlist_gather(st, op, "src", src_o, 0, 0, -1, &S) < 0)
+    if (tlist_gather(st, op, "src", src_o, 0, 0, -1, 1, &S) < 0)
         return NULL;
-    if (tlist_gather(st, op, "dst", dst_o, 1, 0, -1, &D) < 0) {
+    if (tlist_gather(st, op, "dst", dst_o, 1, 0, -1, 1, &D) < 0) {
         tlist_free(&S);
         return NULL;
     }
@@ -893,15 +1016,8 @@ static PyObject *py_cast(PyObject *module, PyObject *args)
         opt_aux(st, op, "flags", flags_o, st->dtype_u8, S.n, &flags) < 0)
         goto done;
 
-    /* Non-contiguous destinations are written through contiguous copies. */
-    for (Py_ssize_t i = 0; i < D.n; i++) {
-        if (!D.nc[i])
-            continue;
-        if ((D.tmp[i] = call0(seq_item(D.seq, i), st->s_contiguous)) == NULL)
-            goto done;
-        if (get_data_ptr(st, D.tmp[i], &D.ts[i].ptr) < 0)
-            goto done;
-    }
+    if (cast_staging(st, &S, &D) < 0)
+        goto done;
     if (pair_cast_tensors(op, &S, &D) < 0)
         goto done;
     parts = (ampx_partial *)calloc(S.n > 0 ? (size_t)S.n : 1u, sizeof *parts);
@@ -1174,7 +1290,7 @@ static PyObject *py_cuda_scale_reduce(PyObject *module, PyObject *args)
     }
     const int write = mode & AMPX_M_WRITE, reduce = AMPX_MODE_REDUCE(mode);
     tlist L;
-    if (tlist_gather(st, op, "tensors", seq, write, refuse_fp16, device, &L) < 0)
+    if (tlist_gather(st, op, "tensors", seq, write, refuse_fp16, device, 0, &L) < 0)
         return NULL;
 
     PyObject *result = NULL, *ws_keep = NULL;
@@ -1276,9 +1392,9 @@ static PyObject *py_cuda_cast(PyObject *module, PyObject *args)
     if (require_init(st) < 0 || cuda_attrs(st) < 0)
         return NULL;
     tlist S, D;
-    if (tlist_gather(st, op, "src", src_o, 0, 0, device, &S) < 0)
+    if (tlist_gather(st, op, "src", src_o, 0, 0, device, 1, &S) < 0)
         return NULL;
-    if (tlist_gather(st, op, "dst", dst_o, 1, 0, device, &D) < 0) {
+    if (tlist_gather(st, op, "dst", dst_o, 1, 0, device, 1, &D) < 0) {
         tlist_free(&S);
         return NULL;
     }
@@ -1312,15 +1428,8 @@ static PyObject *py_cuda_cast(PyObject *module, PyObject *args)
         opt_aux_cuda(st, op, "flags", flags_o, st->dtype_u8, S.n, device, &job.flags_out) < 0)
         goto done;
 
-    /* Non-contiguous destinations are written through contiguous copies. */
-    for (Py_ssize_t i = 0; i < D.n; i++) {
-        if (!D.nc[i])
-            continue;
-        if ((D.tmp[i] = call0(seq_item(D.seq, i), st->s_contiguous)) == NULL)
-            goto done;
-        if (get_data_ptr(st, D.tmp[i], &D.ts[i].ptr) < 0)
-            goto done;
-    }
+    if (cast_staging(st, &S, &D) < 0)
+        goto done;
     /* The sharing rules of the CPU path. */
     if (pair_cast_tensors(op, &S, &D) < 0)
         goto done;
@@ -1466,6 +1575,130 @@ static PyObject *py_init(PyObject *module, PyObject *args)
             PyErr_Clear();
     }
     Py_RETURN_NONE;
+}
+
+/* Compares the shim's reading of probe tensor t with its Python attributes.
+ * Returns 1 if they agree, 0 if not, -1 with an exception set. */
+static int shim_agrees(mstate *st, PyObject *t)
+{
+    PyObject *c = PyObject_GetAttr(t, st->s_cdata);
+    if (c == NULL)
+        return -1;
+    void *impl = PyLong_AsVoidPtr(c);
+    Py_DECREF(c);
+    if (impl == NULL && PyErr_Occurred())
+        return -1;
+    /* First the word the at::Tensor is assumed to be: only if it is torch's
+     * TensorImpl pointer may the shim be handed its address. */
+    if (impl == NULL || ampx_shim_impl_word(t) != (uintptr_t)impl)
+        return 0;
+    int code = dtype_code(st, "probe", "t", 0, t), contig = 0;
+    int64_t numel = 0;
+    char *ptr = NULL;
+    if (code < 0 || tensor_meta(st, "probe", "t", 0, t, elem_size[code], &numel, &contig) < 0)
+        return -1;
+    if (numel > 0 && get_data_ptr(st, t, &ptr) < 0)
+        return -1;
+    ampx_shim_meta m;
+    int ok = ampx_shim_read(t, &m);
+    if (!contig)
+        return !ok; /* the shim must send it down the slow path */
+    return ok && m.dtype == code && m.device_type == AMPX_SHIM_CPU && m.numel == numel && m.ptr == ptr;
+}
+
+/* _enable_tensor_shim(path, parameter_type, probes) -> None or why not.
+ * Opens torch's C shim in the library at `path` (already loaded by torch)
+ * and turns the fast tensor read on if it agrees with the Python attributes
+ * on every probe tensor (plain CPU tensors and Parameters, contiguous or not,
+ * empty or not, of each dtype, made by the caller). */
+static PyObject *py_enable_tensor_shim(PyObject *module, PyObject *args)
+{
+    mstate *st = get_state(module);
+    const char *path;
+    PyObject *ptype, *probes;
+    if (!PyArg_ParseTuple(args, "sOO:_enable_tensor_shim", &path, &ptype, &probes))
+        return NULL;
+    if (require_init(st) < 0)
+        return NULL;
+    if (!PyType_Check(ptype)) {
+        PyErr_SetString(PyExc_TypeError, "_enable_tensor_shim: parameter_type must be a type");
+        return NULL;
+    }
+    ampx_shim_set_enabled(0);
+    const char *why = ampx_shim_open(path);
+    if (why != NULL)
+        return PyUnicode_FromString(why);
+    PyObject *seq = PySequence_Tuple(probes);
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PyTuple_Size(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = PyTuple_GetItem(seq, i);
+        if (Py_TYPE(t) != (PyTypeObject *)st->tensor_type && Py_TYPE(t) != (PyTypeObject *)ptype) {
+            Py_DECREF(seq);
+            PyErr_SetString(PyExc_TypeError, "_enable_tensor_shim: probes must be plain tensors or Parameters");
+            return NULL;
+        }
+        int ok = shim_agrees(st, t);
+        if (ok <= 0) {
+            Py_DECREF(seq);
+            return ok < 0 ? NULL : PyUnicode_FromFormat("probe %zd: the shim disagrees with the tensor's attributes", i);
+        }
+    }
+    /* Where a TensorImpl keeps its StorageImpl's address, to aim prefetches:
+     * the same offset in every probe that has storage, or none. */
+    int off = -2;
+    for (Py_ssize_t i = 0; i < n && off != -1; i++) {
+        PyObject *t = PyTuple_GetItem(seq, i);
+        PyObject *stg = PyObject_CallMethod(t, "untyped_storage", NULL);
+        PyObject *c = stg == NULL ? NULL : PyObject_GetAttr(stg, st->s_cdata);
+        Py_XDECREF(stg);
+        void *sp = c == NULL ? NULL : PyLong_AsVoidPtr(c);
+        Py_XDECREF(c);
+        if (sp == NULL) {
+            if (PyErr_Occurred()) {
+                Py_DECREF(seq);
+                return NULL;
+            }
+            continue;
+        }
+        int k = ampx_shim_find_word(ampx_shim_impl_word(t), (uintptr_t)sp);
+        off = off == -2 || off == k ? k : -1;
+    }
+    ampx_shim_set_storage_offset(off < 0 ? -1 : off);
+    Py_DECREF(seq);
+    set_ref(&st->param_type, ptype);
+    ampx_shim_set_enabled(1);
+    Py_RETURN_NONE;
+}
+
+/* _set_tensor_shim(on=None) -> whether it was on; None only asks. Turning it
+ * on needs a passed probe. */
+static PyObject *py_set_tensor_shim(PyObject *module, PyObject *args)
+{
+    mstate *st = get_state(module);
+    PyObject *on_o = Py_None;
+    if (!PyArg_ParseTuple(args, "|O:_set_tensor_shim", &on_o))
+        return NULL;
+    int was = ampx_shim_enabled();
+    if (on_o == Py_None)
+        return PyBool_FromLong(was);
+    int on = PyObject_IsTrue(on_o);
+    if (on < 0)
+        return NULL;
+    if (on && (!ampx_shim_opened() || st->param_type == NULL)) {
+        PyErr_SetString(PyExc_RuntimeError, "the tensor shim did not pass its start-up probe");
+        return NULL;
+    }
+    ampx_shim_set_enabled(on);
+    return PyBool_FromLong(was);
+}
+
+static PyObject *py_tensor_shim_storage_offset(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    return PyLong_FromLong(ampx_shim_storage_offset());
 }
 
 /* Appends (p, p.grad) for each parameter of `params` (any iterable) whose
@@ -1619,6 +1852,11 @@ static PyObject *py_set_parallel_threshold(PyObject *module, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"_init", py_init, METH_VARARGS, "Hands torch's types to the extension (called by ampx)."},
+    {"_enable_tensor_shim", py_enable_tensor_shim, METH_VARARGS,
+     "Turns on the fast tensor read through torch's C shim if its probe passes; else says why not."},
+    {"_set_tensor_shim", py_set_tensor_shim, METH_VARARGS, "Turns the fast tensor read on or off (tests)."},
+    {"_tensor_shim_storage_offset", py_tensor_shim_storage_offset, METH_NOARGS,
+     "Where the probe found a TensorImpl's storage pointer (prefetch aim), or -1."},
     {"scale_reduce", py_scale_reduce, METH_VARARGS, "Scale / check / reduce kernel over a tensor list."},
     {"cast", py_cast, METH_VARARGS, "Cast kernel between two tensor lists."},
     {"update_scale", py_update_scale, METH_VARARGS, "One loss-scale update on CPU tensors."},
@@ -1656,7 +1894,8 @@ static int exec_module(PyObject *m)
         intern(&st->s_contiguous, "contiguous") < 0 || intern(&st->s_copy_, "copy_") < 0 ||
         intern(&st->s_grad, "grad") < 0 || intern(&st->s_params, "params") < 0 ||
         intern(&st->s_size, "size") < 0 || intern(&st->s_stride, "stride") < 0 ||
-        intern(&st->s_nbytes, "nbytes") < 0 || intern(&st->s_get_device, "get_device") < 0)
+        intern(&st->s_nbytes, "nbytes") < 0 || intern(&st->s_get_device, "get_device") < 0 ||
+        intern(&st->s_cdata, "_cdata") < 0 || intern(&st->s_resolve_neg, "resolve_neg") < 0)
         return -1;
     st->layout_error = PyErr_NewExceptionWithDoc(
         "ampx._C.LayoutError",
@@ -1694,7 +1933,7 @@ static int exec_module(PyObject *m)
     X(tensor_type) X(dtypes[0]) X(dtypes[1]) X(dtypes[2]) X(dtypes[3]) X(dtype_u8) X(dtype_i32)            \
         X(strided) X(layout_error) X(s_dtype) X(s_is_cpu) X(s_is_cuda) X(s_device) X(s_layout) X(s_numel)         \
             X(s_is_contiguous) X(s_data_ptr) X(s_contiguous) X(s_copy_) X(s_grad) X(s_params) X(s_size) X(s_stride) X(s_nbytes) X(descr[0]) X(descr[1]) X(descr[2]) \
-                X(descr_is_cuda) X(s_get_device)
+                X(descr_is_cuda) X(s_get_device) X(param_type) X(descr_is_neg) X(s_cdata) X(s_resolve_neg)
 
 static int m_traverse(PyObject *m, visitproc visit, void *arg)
 {

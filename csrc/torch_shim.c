@@ -1,0 +1,184 @@
+/*
+ * torch_shim.c: the fast read of a tensor's metadata (see torch_shim.h).
+ */
+#define Py_LIMITED_API 0x03090000
+#include "torch_shim.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <string.h>
+
+#include "ampx_numerics.h"
+
+#if defined(__linux__) || defined(__FreeBSD__) || defined(__APPLE__)
+#include <dlfcn.h>
+#define AMPX_HAVE_DLOPEN 1
+#endif
+
+/* The shim's calls return 0 (AOTI_TORCH_SUCCESS) or 1 and write through their
+ * last argument; its constant functions return torch's enum values. */
+typedef int32_t (*shim_i32_fn)(void);
+typedef int32_t (*shim_ptr_fn)(void *, void **);
+typedef int32_t (*shim_i64_fn)(void *, int64_t *);
+typedef int32_t (*shim_get_i32_fn)(void *, int32_t *);
+typedef int32_t (*shim_bool_fn)(void *, bool *);
+
+static struct {
+    int opened, enabled;
+    shim_ptr_fn data_ptr;
+    shim_i64_fn numel;
+    shim_get_i32_fn dtype, device_type, device_index, layout;
+    shim_bool_fn contiguous;
+    int32_t dt[AMPX_NUM_DTYPES]; /* torch's dtype value for each ampx code */
+    int32_t cpu, cuda, strided;
+    int storage_offset; /* byte offset of the StorageImpl pointer in a TensorImpl, or -1 */
+} S = {.storage_offset = -1};
+
+int ampx_shim_enabled(void) { return S.enabled; }
+int ampx_shim_opened(void) { return S.opened; }
+void ampx_shim_set_enabled(int on) { S.enabled = on && S.opened; }
+
+const char *ampx_shim_open(const char *path)
+{
+#ifndef AMPX_HAVE_DLOPEN
+    (void)path;
+    return "no dlopen on this platform";
+#else
+    if (S.opened)
+        return NULL;
+    /* RTLD_NOLOAD: only a library that torch has loaded already. The handle
+     * is kept: it pins a library that stays loaded anyway. */
+    void *h = dlopen(path, RTLD_LAZY | RTLD_NOLOAD);
+    if (h == NULL)
+        return "torch's library is not loaded at the expected path";
+#define SYM(field, type, name)                                                                     \
+    do {                                                                                           \
+        void *p_ = dlsym(h, name);                                                                 \
+        if (p_ == NULL)                                                                            \
+            return "this torch lacks the shim function " name;                                    \
+        memcpy(&field, &p_, sizeof field);                                                         \
+    } while (0)
+    shim_i32_fn dt_f32, dt_f16, dt_bf16, dt_f64, cpu, cuda, strided;
+    SYM(S.data_ptr, shim_ptr_fn, "aoti_torch_get_data_ptr");
+    SYM(S.numel, shim_i64_fn, "aoti_torch_get_numel");
+    SYM(S.dtype, shim_get_i32_fn, "aoti_torch_get_dtype");
+    SYM(S.device_type, shim_get_i32_fn, "aoti_torch_get_device_type");
+    SYM(S.device_index, shim_get_i32_fn, "aoti_torch_get_device_index");
+    SYM(S.layout, shim_get_i32_fn, "aoti_torch_get_layout");
+    SYM(S.contiguous, shim_bool_fn, "aoti_torch_is_contiguous");
+    SYM(dt_f32, shim_i32_fn, "aoti_torch_dtype_float32");
+    SYM(dt_f16, shim_i32_fn, "aoti_torch_dtype_float16");
+    SYM(dt_bf16, shim_i32_fn, "aoti_torch_dtype_bfloat16");
+    SYM(dt_f64, shim_i32_fn, "aoti_torch_dtype_float64");
+    SYM(cpu, shim_i32_fn, "aoti_torch_device_type_cpu");
+    SYM(cuda, shim_i32_fn, "aoti_torch_device_type_cuda");
+    SYM(strided, shim_i32_fn, "aoti_torch_layout_strided");
+#undef SYM
+    S.dt[AMPX_F32] = dt_f32();
+    S.dt[AMPX_F16] = dt_f16();
+    S.dt[AMPX_BF16] = dt_bf16();
+    S.dt[AMPX_F64] = dt_f64();
+    S.cpu = cpu();
+    S.cuda = cuda();
+    S.strided = strided();
+    S.opened = 1;
+    return NULL;
+#endif
+}
+
+/* A plain torch.Tensor is a Python object header followed by its at::Tensor,
+ * itself one pointer to the TensorImpl (torch 2.10 and later; before, a
+ * MaybeOwned<Tensor> stood there, which the start-up probe rejects). */
+void *ampx_shim_handle(PyObject *t) { return (char *)t + sizeof(PyObject); }
+
+uintptr_t ampx_shim_impl_word(PyObject *t)
+{
+    uintptr_t w;
+    memcpy(&w, ampx_shim_handle(t), sizeof w);
+    return w;
+}
+
+int ampx_shim_read(PyObject *t, ampx_shim_meta *m)
+{
+    void *h = ampx_shim_handle(t);
+    int32_t v = 0, dev = 0;
+    bool contig = false;
+    /* Order matters: the layout first (contiguity is undefined for sparse
+     * tensors), the device before the data pointer (a meta tensor has none),
+     * and the data pointer last. A failed call only sends the tensor down the
+     * slow path, which then raises the proper error. */
+    if (S.layout(h, &v) != 0 || v != S.strided)
+        return 0;
+    if (S.dtype(h, &v) != 0)
+        return 0;
+    m->dtype = -1;
+    for (int k = 0; k < AMPX_NUM_DTYPES; k++)
+        if (v == S.dt[k])
+            m->dtype = k;
+    if (m->dtype < 0)
+        return 0;
+    if (S.device_type(h, &dev) != 0)
+        return 0;
+    m->device_index = -1;
+    if (dev == S.cpu)
+        m->device_type = AMPX_SHIM_CPU;
+    else if (dev == S.cuda) {
+        m->device_type = AMPX_SHIM_CUDA;
+        if (S.device_index(h, &v) != 0)
+            return 0;
+        m->device_index = v;
+    } else
+        return 0;
+    if (S.contiguous(h, &contig) != 0 || !contig)
+        return 0;
+    m->contiguous = 1;
+    if (S.numel(h, &m->numel) != 0 || m->numel < 0)
+        return 0;
+    m->ptr = NULL;
+    if (m->numel == 0)
+        return 1;
+    void *p = NULL;
+    if (S.data_ptr(h, &p) != 0 || p == NULL)
+        return 0;
+    m->ptr = (char *)p;
+    return 1;
+}
+
+void ampx_shim_set_storage_offset(int offset) { S.storage_offset = offset; }
+int ampx_shim_storage_offset(void) { return S.storage_offset; }
+
+int ampx_shim_find_word(uintptr_t impl, uintptr_t storage)
+{
+    for (int k = 0; k < 64; k += (int)sizeof(uintptr_t)) {
+        uintptr_t w;
+        memcpy(&w, (const char *)impl + k, sizeof w);
+        if (w == storage)
+            return k;
+    }
+    return -1;
+}
+
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(p) __builtin_prefetch((const void *)(p), 0, 3)
+#else
+#define PREFETCH(p) ((void)(p))
+#endif
+
+void ampx_shim_prefetch1(PyObject *t) { PREFETCH(t); }
+
+void ampx_shim_prefetch2(PyObject *t)
+{
+    const char *impl = (const char *)ampx_shim_impl_word(t);
+    for (int l = 0; l < 4; l++)
+        PREFETCH(impl + 64 * l);
+}
+
+void ampx_shim_prefetch3(PyObject *t)
+{
+    if (S.storage_offset < 0)
+        return;
+    uintptr_t impl = ampx_shim_impl_word(t), storage;
+    memcpy(&storage, (const char *)impl + S.storage_offset, sizeof storage);
+    PREFETCH(storage);
+    PREFETCH(storage + 64);
+}

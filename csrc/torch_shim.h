@@ -1,0 +1,84 @@
+/*
+ * torch_shim.h: reading a tensor's metadata through torch's stable C shim.
+ *
+ * torch exports a C ABI for code compiled apart from it (the "aoti_torch_*"
+ * functions of libtorch_cpu, which AOTInductor and torch's stable-ABI
+ * extensions call): a tensor's data pointer, numel, dtype, device, layout and
+ * contiguity, each one plain C call. ampx looks those functions up with dlsym
+ * in the libtorch torch has already loaded (nothing is linked and no torch
+ * header is used) and hands them the at::Tensor that sits right after the
+ * Python object header of a plain torch.Tensor. Where that Tensor sits is the
+ * one layout fact assumed; it is checked at start-up against torch's own
+ * `_cdata` on a set of probe tensors, and the whole fast path stays off when
+ * anything disagrees (docs/DESIGN.md, "Reading tensors").
+ *
+ * Used only for tensors whose Python type is exactly torch.Tensor or
+ * torch.nn.Parameter; every other tensor, and every tensor the fast read does
+ * not fully accept, takes the Python-attribute path, which raises the errors.
+ */
+#ifndef AMPX_TORCH_SHIM_H
+#define AMPX_TORCH_SHIM_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+/* What the fast read learned of one tensor. */
+typedef struct {
+    int dtype;        /* ampx dtype code (AMPX_F32, ...), or -1 for any other dtype */
+    int device_type;  /* AMPX_SHIM_CPU, AMPX_SHIM_CUDA or AMPX_SHIM_OTHER */
+    int device_index; /* CUDA only */
+    int contiguous;
+    int64_t numel;
+    char *ptr;        /* NULL when numel == 0 */
+} ampx_shim_meta;
+
+enum { AMPX_SHIM_CPU = 0, AMPX_SHIM_CUDA = 1, AMPX_SHIM_OTHER = 2 };
+
+/* Looks the shim functions up in the already loaded library at `path`.
+ * Returns NULL on success, else a static string saying why not (the fast
+ * path then stays off). Touches no Python state. */
+const char *ampx_shim_open(const char *path);
+
+/* Whether ampx_shim_open succeeded and the probe was passed (see enable). */
+int ampx_shim_enabled(void);
+void ampx_shim_set_enabled(int on);
+int ampx_shim_opened(void);
+
+/* Reads tensor object t (a plain torch.Tensor or Parameter: the caller checks
+ * the type). Returns 1 when every field was read and the tensor is a strided
+ * tensor that the kernels can use as is (supported dtype, contiguous, a data
+ * pointer when it holds elements); 0 when the caller must take the slow path.
+ * Never raises; never calls into Python. */
+int ampx_shim_read(PyObject *t, ampx_shim_meta *m);
+
+/* The address of the at::Tensor inside t, as the shim functions take it. */
+void *ampx_shim_handle(PyObject *t);
+
+/* The raw word where the at::Tensor of t is assumed to sit (its TensorImpl
+ * pointer): compared with torch's `_cdata` by the start-up probe. */
+uintptr_t ampx_shim_impl_word(PyObject *t);
+
+/* Records where a TensorImpl holds its storage's address (a byte offset found
+ * by the start-up probe), or -1. Used only to aim prefetches. */
+void ampx_shim_set_storage_offset(int offset);
+int ampx_shim_storage_offset(void);
+
+/* Searches impl's first 64 bytes for the word `storage`; returns its byte
+ * offset or -1. Reads only memory inside a live TensorImpl (which is larger
+ * than that: vtable, reference counts, storage, sizes and strides, ...). */
+int ampx_shim_find_word(uintptr_t impl, uintptr_t storage);
+
+/* Prefetch stages for a plain tensor t that will be read a few tensors from
+ * now: reading a list of tensors is bound by memory latency when their
+ * objects lie scattered (each tensor's Python object, TensorImpl and
+ * StorageImpl on different pages, one dependent miss after another), and the
+ * shim's calls do too much work per tensor for the processor to overlap those
+ * misses on its own. Stage 1 asks for the object, stage 2 (a few tensors
+ * later) for its TensorImpl, stage 3 for its StorageImpl. Prefetches never
+ * fault; the stages load only words the earlier stages brought in. */
+void ampx_shim_prefetch1(PyObject *t);
+void ampx_shim_prefetch2(PyObject *t);
+void ampx_shim_prefetch3(PyObject *t);
+
+#endif /* AMPX_TORCH_SHIM_H */
