@@ -80,13 +80,19 @@ else:
 
 
 def _shim_probes():
-    """Plain tensors and Parameters of every kind the fast read must get right or decline."""
-    x = torch.randn(3, requires_grad=True)
-    (x * 2.0).sum().backward()
-    probes = [torch.empty(0), torch.empty(0, 5), torch.randn(5), torch.randn(4, 4).t(), torch.randn(6)[2:],
-              torch.randn(8).view(2, 4)[:, 1], torch.nn.Parameter(torch.randn(3)), x.grad,
-              torch.empty(2, 0, 3).transpose(0, 2)]
-    probes += [torch.arange(7, dtype=dt) for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64)]
+    """Plain tensors and Parameters of every kind the fast read must get right or decline.
+
+    Built without the random generator (importing ampx must not move torch's random
+    stream); the caller sets the device and grad mode (ampx may be imported inside
+    torch.no_grad(), inference_mode() or with another default device)."""
+    f32 = torch.float32
+    base = torch.arange(24, dtype=f32)
+    leaf = torch.ones(3, dtype=f32, requires_grad=True)
+    leaf.grad = torch.full((3,), 2.0, dtype=f32)  # as AccumulateGrad leaves a gradient: a plain tensor
+    probes = [torch.empty(0, dtype=f32), torch.empty(0, 5, dtype=f32), base.clone(), base.view(4, 6).t(),
+              base[2:], base.view(2, 12)[:, 1], torch.nn.Parameter(base[:7].clone()), leaf.grad,
+              torch.empty(2, 0, 3, dtype=f32).transpose(0, 2)]
+    probes += [torch.arange(7, dtype=dt) for dt in (f32, torch.float16, torch.bfloat16, torch.float64)]
     return probes
 
 
@@ -99,7 +105,11 @@ def _enable_tensor_shim():
     lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
     if not os.path.exists(lib):
         return f"{lib} does not exist"
-    return _C._enable_tensor_shim(lib, torch.nn.Parameter, _shim_probes())
+    try:
+        with torch.device("cpu"), torch.inference_mode(False), torch.enable_grad():
+            return _C._enable_tensor_shim(lib, torch.nn.Parameter, _shim_probes())
+    except Exception as e:  # the attribute reader always works: never fail the import over this
+        return f"the probe failed: {type(e).__name__}: {e}"
 
 
 _SHIM_WHY_NOT = _enable_tensor_shim()

@@ -34,7 +34,8 @@ def machine():
     except OSError:
         pass
     return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-            f"ampx {ampx.__version__} (SIMD {ampx.ops.simd_level()}), Python {platform.python_version()}")
+            f"ampx {ampx.__version__} (SIMD {ampx.ops.simd_level()}, tensors read through {ampx.ops.tensor_reader()}), "
+            f"Python {platform.python_version()}")
 
 
 def make_params(sizes, seed=0):

@@ -53,7 +53,7 @@ typedef struct {
     PyObject *s_get_device;
     PyObject *s_dtype, *s_is_cpu, *s_is_cuda, *s_device, *s_layout, *s_numel, *s_is_contiguous,
         *s_data_ptr, *s_contiguous, *s_copy_, *s_grad, *s_params, *s_size, *s_stride, *s_nbytes,
-        *s_cdata, *s_resolve_neg;
+        *s_cdata, *s_resolve_neg, *s_detach;
 } mstate;
 
 /* Py_NewRef and Py_XSETREF are not in the 3.9 limited API. */
@@ -511,6 +511,23 @@ static void tlist_free(tlist *L)
     memset(L, 0, sizeof *L);
 }
 
+/* Copies `staged` (where a kernel wrote) back into tensor t, outside autograd
+ * (through t.detach(), which keeps t's memory and negative bit): the kernels
+ * bypass autograd, and a leaf that requires grad (a Parameter, or a view of
+ * one) would otherwise refuse the copy after other tensors had been written. */
+static int copy_back(mstate *st, PyObject *t, PyObject *staged)
+{
+    PyObject *d = call0(t, st->s_detach);
+    if (d == NULL)
+        return -1;
+    PyObject *r = PyObject_CallMethodObjArgs(d, st->s_copy_, staged, NULL);
+    Py_DECREF(d);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
 /* Whether tensor t has torch's negative bit set (its values are the negation
  * of what its memory holds: torch._neg_view, conj().imag of a complex tensor).
  * Asked while the gather has the tensor's TensorImpl in cache: asked later,
@@ -952,9 +969,7 @@ static PyObject *py_scale_reduce(PyObject *module, PyObject *args)
             }
             int rc = run_job(&job, &L.ts[i], 1, L.ts[i].numel, nthreads, &parts[i]);
             if (rc == 0 && c != NULL) {
-                PyObject *r = PyObject_CallMethodObjArgs(t, st->s_copy_, c, NULL);
-                rc = r == NULL ? -1 : 0;
-                Py_XDECREF(r);
+                rc = copy_back(st, t, c);
             }
             Py_XDECREF(c);
             if (rc < 0)
@@ -1032,10 +1047,8 @@ static PyObject *py_cast(PyObject *module, PyObject *args)
     for (Py_ssize_t i = 0; i < D.n; i++) {
         if (D.tmp[i] == NULL)
             continue;
-        PyObject *r = PyObject_CallMethodObjArgs(seq_item(D.seq, i), st->s_copy_, D.tmp[i], NULL);
-        if (r == NULL)
+        if (copy_back(st, seq_item(D.seq, i), D.tmp[i]) < 0)
             goto done;
-        Py_DECREF(r);
     }
     write_outputs(parts, S.n, AMPX_REDUCE_NONE, (float *)found, (uint8_t *)flags, NULL, NULL);
     result = new_ref(Py_None);
@@ -1360,11 +1373,10 @@ static PyObject *py_cuda_scale_reduce(PyObject *module, PyObject *args)
                 goto done;
             }
             if (c != NULL) {
-                PyObject *r = PyObject_CallMethodObjArgs(t, st->s_copy_, c, NULL);
+                int rc = copy_back(st, t, c);
                 Py_DECREF(c);
-                if (r == NULL)
+                if (rc < 0)
                     goto done;
-                Py_DECREF(r);
             }
         }
     }
@@ -1444,10 +1456,8 @@ static PyObject *py_cuda_cast(PyObject *module, PyObject *args)
     for (Py_ssize_t i = 0; i < D.n; i++) {
         if (D.tmp[i] == NULL)
             continue;
-        PyObject *r = PyObject_CallMethodObjArgs(seq_item(D.seq, i), st->s_copy_, D.tmp[i], NULL);
-        if (r == NULL)
+        if (copy_back(st, seq_item(D.seq, i), D.tmp[i]) < 0)
             goto done;
-        Py_DECREF(r);
     }
     result = new_ref(Py_None);
 done:
@@ -1620,8 +1630,11 @@ static PyObject *py_enable_tensor_shim(PyObject *module, PyObject *args)
         return NULL;
     if (require_init(st) < 0)
         return NULL;
-    if (!PyType_Check(ptype)) {
-        PyErr_SetString(PyExc_TypeError, "_enable_tensor_shim: parameter_type must be a type");
+    int sub = PyType_Check(ptype) ? PyObject_IsSubclass(ptype, st->tensor_type) : 0;
+    if (sub < 0)
+        return NULL;
+    if (!sub) {
+        PyErr_SetString(PyExc_TypeError, "_enable_tensor_shim: parameter_type must be torch.nn.Parameter");
         return NULL;
     }
     ampx_shim_set_enabled(0);
@@ -1895,7 +1908,8 @@ static int exec_module(PyObject *m)
         intern(&st->s_grad, "grad") < 0 || intern(&st->s_params, "params") < 0 ||
         intern(&st->s_size, "size") < 0 || intern(&st->s_stride, "stride") < 0 ||
         intern(&st->s_nbytes, "nbytes") < 0 || intern(&st->s_get_device, "get_device") < 0 ||
-        intern(&st->s_cdata, "_cdata") < 0 || intern(&st->s_resolve_neg, "resolve_neg") < 0)
+        intern(&st->s_cdata, "_cdata") < 0 || intern(&st->s_resolve_neg, "resolve_neg") < 0 ||
+        intern(&st->s_detach, "detach") < 0)
         return -1;
     st->layout_error = PyErr_NewExceptionWithDoc(
         "ampx._C.LayoutError",
@@ -1933,7 +1947,7 @@ static int exec_module(PyObject *m)
     X(tensor_type) X(dtypes[0]) X(dtypes[1]) X(dtypes[2]) X(dtypes[3]) X(dtype_u8) X(dtype_i32)            \
         X(strided) X(layout_error) X(s_dtype) X(s_is_cpu) X(s_is_cuda) X(s_device) X(s_layout) X(s_numel)         \
             X(s_is_contiguous) X(s_data_ptr) X(s_contiguous) X(s_copy_) X(s_grad) X(s_params) X(s_size) X(s_stride) X(s_nbytes) X(descr[0]) X(descr[1]) X(descr[2]) \
-                X(descr_is_cuda) X(s_get_device) X(param_type) X(descr_is_neg) X(s_cdata) X(s_resolve_neg)
+                X(descr_is_cuda) X(s_get_device) X(param_type) X(descr_is_neg) X(s_cdata) X(s_resolve_neg) X(s_detach)
 
 static int m_traverse(PyObject *m, visitproc visit, void *arg)
 {

@@ -242,3 +242,52 @@ def test_scale_and_norm_ops_are_right_on_negated_tensors(reader, op, rng):
         y[~torch.isfinite(y)] = 1.0
         want = y.double().norm().float().item()  # rounded to the float32 the kernel returns
         assert ops.norm([neg_view(y)]).item() == pytest.approx(want, rel=1e-6)
+
+
+# ------------------------------------------------------- import conditions --
+
+
+@pytest.mark.parametrize("setup", [
+    "torch.manual_seed(0); ctx = torch.no_grad()",
+    "torch.manual_seed(0); ctx = torch.inference_mode()",
+    "torch.manual_seed(0); torch.set_default_device('meta'); torch.set_default_dtype(torch.float64); "
+    "ctx = contextlib.nullcontext()",
+])
+def test_import_works_in_any_grad_mode_and_default_device_and_leaves_the_rng_alone(setup):
+    """The probe runs at import: it must not fail under no_grad/inference_mode or another
+    default device, and must not draw random numbers (seeded runs stay reproducible)."""
+    code = ("import contextlib, torch\n" + setup + "\n"
+            "with ctx:\n    import ampx\n"
+            "torch.set_default_device('cpu')\n"
+            "print(ampx.ops.tensor_reader()); print(torch.rand(1, dtype=torch.float32).item())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    reader, value = out.stdout.split("\n")[:2]
+    if ON_LINUX:
+        assert reader == "torch C shim", reader
+    torch.manual_seed(0)
+    assert float(value) == torch.rand(1).item()
+
+
+def test_enable_refuses_a_parameter_type_that_is_not_a_tensor_class():
+    prev = _C._set_tensor_shim()
+    try:
+        for bad in (int, Sub.__mro__[-1], 3):
+            with pytest.raises(TypeError, match="parameter_type"):
+                _C._enable_tensor_shim("/nonexistent", bad, [])
+    finally:
+        assert _C._set_tensor_shim() == prev
+
+
+def test_writes_through_staged_copies_reach_leaves_that_require_grad(reader):
+    """Non-contiguous or negated destinations are written through a copy and copied back;
+    the copy-back bypasses autograd, so a Parameter (or a view of one) is no obstacle and
+    no tensor is left half-written."""
+    p = torch.nn.Parameter(torch.zeros(4, 2))
+    first = torch.zeros(3)
+    ops.cast_([torch.ones(3), torch.full((4,), 5.0)], [first, p[:, 0]])
+    assert torch.equal(first, torch.ones(3))
+    assert torch.equal(p.detach()[:, 0], torch.full((4,), 5.0)) and torch.equal(p.detach()[:, 1], torch.zeros(4))
+    q = torch.nn.Parameter(torch.ones(4, 2))
+    ops.mul_([q[:, 1]], 3.0)
+    assert torch.equal(q.detach()[:, 1], torch.full((4,), 3.0)) and torch.equal(q.detach()[:, 0], torch.ones(4))
