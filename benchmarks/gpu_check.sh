@@ -106,7 +106,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   # One pytest per file, each with its own share of the time, so that a hang in one (NCCL in a
   # container, say) cannot take the others with it. The emulated-kernel tests are for machines
   # without a GPU (slow there, and redundant here).
-  for f in tests/test_cuda.py tests/test_scaler_cuda.py tests/test_threads.py; do
+  for f in tests/test_cuda.py tests/test_scaler_cuda.py tests/test_tensor_shim.py tests/test_threads.py; do
     stage "tests: $f"
     t=$(( $(left) * 30 / 100 )); [ $t -gt 200 ] && t=200
     timeout -k 10 $t "$PY" -m pytest -q -p no:cacheprovider -ra --durations=5 -k "not emulated" "$f" \

@@ -70,9 +70,18 @@ def test_reader_is_the_shim_on_linux_with_this_torch():
     assert _C._tensor_shim_storage_offset() >= 0
 
 
+CUDA = torch.cuda.is_available() and ampx.cuda.is_available()
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not CUDA, reason="no CUDA device usable by ampx: " + str(ampx.cuda.unavailable_reason())))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op", ["unscale_", "norm", "unscale_norm_", "mul_", "check_finite"])
-def test_both_readers_give_identical_results(op, rng):
-    base = mixed_list(rng)
+def test_both_readers_give_identical_results(op, device, rng):
+    """The probe checks CPU tensors; on a GPU machine this also covers CUDA tensors, whose
+    device index the shim reads."""
+    base = [t.to(device) if not isinstance(t, Sub) else t.as_subclass(torch.Tensor).to(device).as_subclass(Sub)
+            for t in mixed_list(rng)]
     results = {}
     prev = _C._set_tensor_shim()
     try:
@@ -81,15 +90,16 @@ def test_both_readers_give_identical_results(op, rng):
             ts = [t.detach().clone() if t.is_contiguous() else t.detach().clone().t().contiguous().t()
                   for t in base]
             ts = [t if not isinstance(b, Sub) else t.as_subclass(Sub) for t, b in zip(ts, base)]
-            found = torch.zeros(1)
-            flags = torch.zeros(len(ts), dtype=torch.uint8)
+            found = torch.zeros(1, device=device)
+            flags = torch.zeros(len(ts), dtype=torch.uint8, device=device)
             out = None
             if op == "unscale_":
-                ops.unscale_(ts, torch.full((1,), 0.25), found, flags=flags)
+                ops.unscale_(ts, torch.full((1,), 0.25, device=device), found, flags=flags)
             elif op == "norm":
                 out = ops.norm(ts, found_inf=found, flags=flags, per_tensor=True)
             elif op == "unscale_norm_":
-                out = ops.unscale_norm_(ts, torch.full((1,), 0.25), found, flags=flags, per_tensor=True)
+                out = ops.unscale_norm_(ts, torch.full((1,), 0.25, device=device), found, flags=flags,
+                                        per_tensor=True)
             elif op == "mul_":
                 ops.mul_(ts, 3.0)
             else:
