@@ -758,6 +758,43 @@ static Py_ssize_t add_spans(const tlist *L, span_t *out)
     return m;
 }
 
+/* Gathers a cast's source and destination lists (on the CPU, device -1, or on
+ * CUDA device `device`) and checks that they pair up: as many tensors, the
+ * same element counts, bfloat16 destinations for stochastic rounding. On
+ * error both lists are freed and an exception is set. */
+static int gather_cast_lists(mstate *st, const char *op, PyObject *src_o, PyObject *dst_o, int device,
+                             int stochastic, tlist *S, tlist *D)
+{
+    if (tlist_gather(st, op, "src", src_o, 0, 0, device, 1, S) < 0)
+        return -1;
+    if (tlist_gather(st, op, "dst", dst_o, 1, 0, device, 1, D) < 0) {
+        tlist_free(S);
+        return -1;
+    }
+    if (S->n != D->n) {
+        PyErr_Format(PyExc_ValueError, "%s: src has %zd tensors but dst has %zd", op, S->n, D->n);
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < S->n; i++) {
+        if (S->ts[i].numel != D->ts[i].numel) {
+            PyErr_Format(PyExc_ValueError, "%s: src[%zd] has %lld elements but dst[%zd] has %lld", op, i,
+                         (long long)S->ts[i].numel, i, (long long)D->ts[i].numel);
+            goto error;
+        }
+        if (stochastic && D->ts[i].dtype != AMPX_BF16) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: stochastic rounding writes bfloat16, but dst[%zd] has dtype torch.%s", op, i,
+                         dtype_names[D->ts[i].dtype]);
+            goto error;
+        }
+    }
+    return 0;
+error:
+    tlist_free(S);
+    tlist_free(D);
+    return -1;
+}
+
 /* A cast's tensors: S (sources) takes each destination's pointer and dtype, and the
  * sharing rule is checked: a destination may alias only its own source, exactly (same
  * elements, order and dtype); any other overlap with a destination would make the result
@@ -999,33 +1036,12 @@ static PyObject *py_cast(PyObject *module, PyObject *args)
     if (require_init(st) < 0)
         return NULL;
     tlist S, D;
-    if (tlist_gather(st, op, "src", src_o, 0, 0, -1, 1, &S) < 0)
+    if (gather_cast_lists(st, op, src_o, dst_o, -1, stochastic, &S, &D) < 0)
         return NULL;
-    if (tlist_gather(st, op, "dst", dst_o, 1, 0, -1, 1, &D) < 0) {
-        tlist_free(&S);
-        return NULL;
-    }
     PyObject *result = NULL;
     ampx_partial *parts = NULL;
     double factor = 1.0;
     void *found = NULL, *flags = NULL;
-    if (S.n != D.n) {
-        PyErr_Format(PyExc_ValueError, "%s: src has %zd tensors but dst has %zd", op, S.n, D.n);
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < S.n; i++) {
-        if (S.ts[i].numel != D.ts[i].numel) {
-            PyErr_Format(PyExc_ValueError, "%s: src[%zd] has %lld elements but dst[%zd] has %lld", op, i,
-                         (long long)S.ts[i].numel, i, (long long)D.ts[i].numel);
-            goto done;
-        }
-        if (stochastic && D.ts[i].dtype != AMPX_BF16) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s: stochastic rounding writes bfloat16, but dst[%zd] has dtype torch.%s", op, i,
-                         dtype_names[D.ts[i].dtype]);
-            goto done;
-        }
-    }
     if (parse_factor(st, op, "inv_scale", factor_o, &factor) < 0 ||
         opt_aux(st, op, "found_inf", found_o, st->dtypes[AMPX_F32], 1, &found) < 0 ||
         opt_aux(st, op, "flags", flags_o, st->dtype_u8, S.n, &flags) < 0)
@@ -1404,12 +1420,8 @@ static PyObject *py_cuda_cast(PyObject *module, PyObject *args)
     if (require_init(st) < 0 || cuda_attrs(st) < 0)
         return NULL;
     tlist S, D;
-    if (tlist_gather(st, op, "src", src_o, 0, 0, device, 1, &S) < 0)
+    if (gather_cast_lists(st, op, src_o, dst_o, device, stochastic, &S, &D) < 0)
         return NULL;
-    if (tlist_gather(st, op, "dst", dst_o, 1, 0, device, 1, &D) < 0) {
-        tlist_free(&S);
-        return NULL;
-    }
     PyObject *result = NULL, *ws_keep = NULL;
     ampx_cu_tensor *cts = NULL;
     ampx_cu_job job;
@@ -1418,23 +1430,6 @@ static PyObject *py_cuda_cast(PyObject *module, PyObject *args)
     job.stochastic = stochastic;
     job.seed = (uint64_t)seed;
     job.offset = (uint64_t)offset;
-    if (S.n != D.n) {
-        PyErr_Format(PyExc_ValueError, "%s: src has %zd tensors but dst has %zd", op, S.n, D.n);
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < S.n; i++) {
-        if (S.ts[i].numel != D.ts[i].numel) {
-            PyErr_Format(PyExc_ValueError, "%s: src[%zd] has %lld elements but dst[%zd] has %lld", op, i,
-                         (long long)S.ts[i].numel, i, (long long)D.ts[i].numel);
-            goto done;
-        }
-        if (stochastic && D.ts[i].dtype != AMPX_BF16) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s: stochastic rounding writes bfloat16, but dst[%zd] has dtype torch.%s", op, i,
-                         dtype_names[D.ts[i].dtype]);
-            goto done;
-        }
-    }
     if (parse_factor_cuda(st, op, "inv_scale", factor_o, device, &job.factor, &job.factor_ptr) < 0 ||
         opt_aux_cuda(st, op, "found_inf", found_o, st->dtypes[AMPX_F32], 1, device, &job.found_inf) < 0 ||
         opt_aux_cuda(st, op, "flags", flags_o, st->dtype_u8, S.n, device, &job.flags_out) < 0)
@@ -1445,7 +1440,6 @@ static PyObject *py_cuda_cast(PyObject *module, PyObject *args)
     /* The sharing rules of the CPU path. */
     if (pair_cast_tensors(op, &S, &D) < 0)
         goto done;
-    ampx_cu_error err;
     int64_t chunks = 0;
     ampx_cu_deviceptr ws = 0;
     const ampx_cu_dev *dev = cuda_prepare(st, op, device, alloc, &job, &S, &cts, &chunks, &ws_keep, &ws);
