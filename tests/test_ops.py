@@ -895,6 +895,44 @@ def test_overlapping_views_apply_in_list_order(simd, dtype, rng):
     assert_bits_equal(other, unscale_ref(oo, 1.5))
 
 
+@pytest.mark.parametrize("order", ["ascending", "descending", "shuffled"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_found_among_many_tensors_in_any_address_order(order, overlap, rng):
+    """The overlap check sorts the tensors' spans: already sorted, reversed (autograd's
+    order) and shuffled lists of hundreds of views across two far-apart buffers (a radix
+    sort of several passes), with and without one overlapping pair somewhere."""
+    bufs = [finite_values(torch.float32, 300 * 40, rng), finite_values(torch.float32, 200 * 40, rng)]
+    views = [b[k * 40 : k * 40 + 40] for b in bufs for k in range(b.numel() // 40)]
+    if order == "descending":
+        views.sort(key=lambda t: -t.data_ptr())
+    elif order == "shuffled":
+        views = [views[i] for i in rng.permutation(len(views))]
+    else:
+        views.sort(key=lambda t: t.data_ptr())
+    if overlap:  # straddles two neighbouring views of the first buffer, placed at random
+        views.insert(int(rng.integers(0, len(views))), bufs[0][1020:1060])
+    origs = [b.clone() for b in bufs]
+    with force_threads(4):
+        ops.mul_(views, 3.0)
+    expect = [o.clone() for o in origs]
+    base = [b.data_ptr() for b in bufs]
+    for v in views:  # the op applied to each tensor in list order
+        j = 0 if base[0] <= v.data_ptr() < base[0] + bufs[0].numel() * 4 else 1
+        off = (v.data_ptr() - base[j]) // 4
+        expect[j][off : off + v.numel()] = unscale_ref(expect[j][off : off + v.numel()], 3.0)
+    for b, e in zip(bufs, expect):
+        assert_bits_equal(b, e)
+    # Casts refuse any sharing: a wrong sort would either miss the overlapping pair or
+    # report one among disjoint views.
+    src = [torch.full((v.numel(),), float(i)) for i, v in enumerate(views)]
+    if overlap:
+        with pytest.raises(ValueError, match="share memory"):
+            ops.cast_(src, views)
+    else:
+        ops.cast_(src, views)
+        assert all(bool((v == float(i)).all()) for i, v in enumerate(views))
+
+
 def test_aliasing_threaded_many_tensors(rng):
     buf = finite_values(torch.float32, 4 * CHUNK, rng)
     o = buf.clone()
