@@ -954,6 +954,16 @@ static int cast_staging(mstate *st, tlist *S, tlist *D)
     return 0;
 }
 
+/* After a cast's kernel: copies each staged destination (see cast_staging)
+ * back into the caller's tensor. */
+static int cast_unstage(mstate *st, const tlist *D)
+{
+    for (Py_ssize_t i = 0; i < D->n; i++)
+        if (D->tmp[i] != NULL && copy_back(st, seq_item(D->seq, i), D->tmp[i]) < 0)
+            return -1;
+    return 0;
+}
+
 /* ---- running a job -------------------------------------------------------- */
 
 static int run_job(const ampx_job *job, const ampx_tensor *ts, Py_ssize_t n, int64_t total,
@@ -1124,12 +1134,8 @@ static PyObject *py_cast(PyObject *module, PyObject *args)
     ampx_job job = {1, 0, factor, stochastic, (uint64_t)seed, (uint64_t)offset};
     if (run_job(&job, S.ts, S.n, S.total, nthreads, parts) < 0)
         goto done;
-    for (Py_ssize_t i = 0; i < D.n; i++) {
-        if (D.tmp[i] == NULL)
-            continue;
-        if (copy_back(st, seq_item(D.seq, i), D.tmp[i]) < 0)
-            goto done;
-    }
+    if (cast_unstage(st, &D) < 0)
+        goto done;
     write_outputs(parts, S.n, AMPX_REDUCE_NONE, (float *)found, (uint8_t *)flags, NULL, NULL);
     result = new_ref(Py_None);
 done:
@@ -1511,12 +1517,8 @@ static PyObject *py_cuda_cast(PyObject *module, PyObject *args)
         goto done;
     if (cuda_run_batched(op, dev, stream, &job, cts, S.n, chunks, ws) < 0)
         goto done;
-    for (Py_ssize_t i = 0; i < D.n; i++) {
-        if (D.tmp[i] == NULL)
-            continue;
-        if (copy_back(st, seq_item(D.seq, i), D.tmp[i]) < 0)
-            goto done;
-    }
+    if (cast_unstage(st, &D) < 0)
+        goto done;
     result = new_ref(Py_None);
 done:
     free(cts);
