@@ -31,9 +31,9 @@ if _simd:
 
 from . import cuda, ops  # noqa: E402
 from .master import MasterWeights  # noqa: E402
-from .policy import Policy  # noqa: E402
+from .policy import PerformanceWarning, Policy  # noqa: E402
 from .prepare import prepare  # noqa: E402  (the function; the module is sys.modules['ampx.prepare'])
 from .scaler import GradScaler, OverflowReport, ShardedGradScaler  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["ops", "cuda", "GradScaler", "ShardedGradScaler", "OverflowReport", "MasterWeights", "Policy", "prepare", "__version__"]
+__all__ = ["ops", "cuda", "GradScaler", "ShardedGradScaler", "OverflowReport", "MasterWeights", "Policy", "PerformanceWarning", "prepare", "__version__"]

@@ -8,13 +8,15 @@ plain and DDP training, FSDP1's ``MixedPrecision``, FSDP2's ``MixedPrecisionPoli
 scaling).
 """
 import math
+import os
 import platform
+import warnings
 
 import torch
 
 from .scaler import GradScaler
 
-__all__ = ["Policy"]
+__all__ = ["Policy", "PerformanceWarning"]
 
 _DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -28,6 +30,11 @@ _SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interva
                 "consecutive_hysteresis", "min_scale", "max_scale", "on_min_scale")
 
 
+class PerformanceWarning(UserWarning):
+    """A precision was honoured on hardware that runs it slowly (for example bf16 on a CPU
+    without native bf16, where torch emulates it)."""
+
+
 def _as_device(device):
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -38,11 +45,32 @@ def _as_device(device):
 
 
 def _cuda_capability(device):
-    return torch.cuda.get_device_capability(device)
+    """(major, minor) of ``device``, or None when this machine cannot say (no CUDA build, no
+    driver, or no such device): the policy is then for a machine other than this one."""
+    try:
+        if not torch.cuda.is_available():
+            return None
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            return None
+        return torch.cuda.get_device_capability(index)
+    except (AssertionError, RuntimeError):  # torch built without CUDA, or a broken driver
+        return None
+
+
+_BF16_OVERRIDE = "AMPX_CPU_BF16"
 
 
 def _cpu_has_native_bf16():
-    """True where the processor computes bfloat16 natively (AVX512-BF16 or AMX on x86, BF16 on Arm)."""
+    """True where the processor computes bfloat16 natively (AVX512-BF16 or AMX on x86, BF16 on Arm).
+
+    ``AMPX_CPU_BF16=1`` or ``=0`` overrides the probe (CI forces it both ways, so no test can
+    depend on the machine it happens to run on)."""
+    forced = os.environ.get(_BF16_OVERRIDE, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    if forced:
+        raise ValueError(f"{_BF16_OVERRIDE}={forced!r}: expected 0 or 1 (or unset to probe the CPU)")
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     for name in probes:
         fn = getattr(torch.cpu, name, None)
@@ -62,16 +90,68 @@ def _cpu_has_native_bf16():
 
 
 def _hardware_bf16(device):
-    """(supported, reason) for bfloat16 compute on `device`."""
+    """(native, reason) for bfloat16 compute on ``device``: native is True, False, or None when
+    the hardware could not be checked from this machine."""
     if device.type == "cuda":
-        major, minor = _cuda_capability(device)
+        cap = _cuda_capability(device)
+        if cap is None:
+            return None, (f"the hardware was not checked: this machine has no {device} "
+                          "(CUDA unavailable or no such device)")
+        major, minor = cap
         ok = major >= 8
-        return ok, f"{device} has compute capability {major}.{minor}" + (" (bf16 needs 8.0+)" if not ok else "")
+        return ok, f"{device} has compute capability {major}.{minor}" + (" (native bf16 needs 8.0+)" if not ok else "")
     if device.type == "cpu":
         ok = _cpu_has_native_bf16()
         return ok, ("this CPU computes bf16 natively (AVX512-BF16/AMX or Arm BF16)" if ok
                     else "this CPU has no native bf16 (no AVX512-BF16, AMX or Arm BF16)")
-    return False, f"ampx does not know {device.type} devices"
+    return None, f"the hardware was not checked: ampx does not know {device.type} devices"
+
+
+def _parse_dtype(dtype):
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _NAMES:
+            raise ValueError(f"dtype must be bf16, fp16 or fp32, not {dtype}")
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype must be 'auto', 'bf16', 'fp16' or 'fp32', not {dtype!r}")
+
+
+def _cpu_has_native_fp16():
+    """True where the processor computes float16 natively (AVX512-FP16 or AMX-FP16)."""
+    for name in ("_is_avx512_fp16_supported", "_is_amx_fp16_supported"):
+        fn = getattr(torch.cpu, name, None)
+        try:
+            if fn is not None and fn():
+                return True
+        except Exception:  # a probe that cannot run says nothing
+            pass
+    return False
+
+
+def _check_explicit(dtype, device):
+    """An explicit dtype is honoured wherever torch can run it. Returns a note for explain()
+    when the hardware was not checked or runs the dtype slowly (the latter also warns)."""
+    if dtype == torch.float32:
+        return None
+    name = _NAMES[dtype]
+    if dtype == torch.bfloat16:
+        native, why = _hardware_bf16(device)
+    elif device.type == "cpu":
+        native = _cpu_has_native_fp16()
+        why = "this CPU has no native fp16 (no AVX512-FP16 or AMX-FP16)"
+    else:
+        native, why = _hardware_bf16(device)  # fp16 runs natively on every CUDA GPU; only ask whether it is here
+        if native is not None:
+            return None
+    if native:
+        return None
+    if native is None:
+        return why
+    note = f"{why}, so torch emulates {name} there and it is usually slower than fp32"
+    warnings.warn(f"ampx.Policy({name!r}, device={str(device)!r}): {note}; dtype='auto' picks the "
+                  "fastest precision for this device", PerformanceWarning, stacklevel=3)
+    return note
 
 
 class Policy:
@@ -91,8 +171,17 @@ class Policy:
             ``ampx.GradScaler`` names them.
 
     Raises:
-        ValueError: an unknown dtype, loss_scaling or backend; bf16 asked for on a device
-            without native bf16; loss scaling asked for with fp32.
+        ValueError: an unknown dtype, loss_scaling or backend; loss scaling asked for with fp32.
+
+    Warns:
+        PerformanceWarning: an explicit bf16 or fp16 on hardware that only emulates it (a CPU
+            without native bf16, a GPU older than compute capability 8.0 for bf16). The dtype is
+            honoured all the same, as torch.autocast honours it.
+
+    A policy for a device this machine does not have (``device="cuda"`` on a login node without
+    GPUs) is built without a hardware check, so it can still produce every backend's
+    configuration; ``explain()`` says the hardware was not checked. ``AMPX_CPU_BF16=0`` or ``=1``
+    overrides the CPU's native-bf16 probe.
     """
 
     def __init__(self, dtype="auto", loss_scaling="auto", master_weights=False, backend="auto", *,
@@ -104,23 +193,13 @@ class Policy:
             raise ValueError(f"loss_scaling must be one of {_SCALING}, not {loss_scaling!r}")
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, not {backend!r}")
-        self._reason = None
+        self._reason = None   # why "auto" chose this dtype
+        self._hardware = None  # what the hardware check found for an explicit dtype, if notable
         if isinstance(dtype, str) and dtype == "auto":
             self.dtype, self._reason = self._choose(self.device)
         else:
-            if isinstance(dtype, torch.dtype):
-                if dtype not in _NAMES:
-                    raise ValueError(f"dtype must be bf16, fp16 or fp32, not {dtype}")
-                self.dtype = dtype
-            elif isinstance(dtype, str) and dtype in _DTYPES:
-                self.dtype = _DTYPES[dtype]
-            else:
-                raise ValueError(f"dtype must be 'auto', 'bf16', 'fp16' or 'fp32', not {dtype!r}")
-            if self.dtype == torch.bfloat16:
-                ok, why = _hardware_bf16(self.device)
-                if not ok:
-                    raise ValueError(f"bf16 was asked for, but {why}; use dtype='fp16' (with loss "
-                                     "scaling) or dtype='auto'")
+            self.dtype = _parse_dtype(dtype)
+            self._hardware = _check_explicit(self.dtype, self.device)
         if loss_scaling == "auto":
             loss_scaling = "dynamic" if self.dtype == torch.float16 else "none"
         if self.dtype == torch.float32 and loss_scaling != "none":
@@ -137,34 +216,51 @@ class Policy:
 
     @staticmethod
     def _choose(device):
-        ok, why = _hardware_bf16(device)
-        if ok:
+        native, why = _hardware_bf16(device)
+        if native:
             return torch.bfloat16, why
+        if native is None and device.type == "cuda":
+            warnings.warn(f"ampx.Policy.auto({str(device)!r}): {why}; assuming a GPU with native bf16 "
+                          "(compute capability 8.0+). Pass dtype='fp16' for older GPUs.", stacklevel=4)
+            return torch.bfloat16, why + "; assumed a GPU with native bf16 (compute capability 8.0+)"
+        if native is None:
+            return torch.float32, why
         if device.type == "cuda":
             return torch.float16, why + "; fp16 with dynamic loss scaling instead"
-        return torch.float32, why + ", and fp16 on a CPU is emulated and slower than fp32"
+        return torch.float32, why + ", and 16-bit compute on such a CPU is emulated and slower than fp32"
 
     @classmethod
     def auto(cls, device=None, **kwargs):
         """The policy ampx recommends for ``device``: bf16 where it runs natively (CUDA compute
         capability 8.0+, CPUs with AVX512-BF16/AMX or Arm BF16), fp16 with dynamic loss scaling
-        on older GPUs, fp32 on CPUs without native bf16. Other arguments as for ``Policy``."""
+        on older GPUs, fp32 on CPUs without native bf16 (torch emulates 16-bit compute there,
+        slower than fp32). For a CUDA device this machine lacks it assumes bf16 and warns.
+        Other arguments as for ``Policy``."""
         return cls("auto", device=device, **kwargs)
 
     def explain(self):
-        """One or two sentences: what this policy does and why."""
+        """One or two sentences: what this policy does and why (and whether the hardware was
+        checked: a policy for a device this machine lacks is built unchecked)."""
         name = _NAMES[self.dtype]
         scaling = {"dynamic": "with dynamic loss scaling", "static": "with static loss scaling",
                    "none": "without loss scaling"}[self.loss_scaling]
         what = (f"Trains on {self.device} in fp32 (no autocast)" if self.dtype == torch.float32
                 else f"Trains on {self.device} with autocast to {name} {scaling}")
         why = f" because {self._reason}." if self._reason else " as asked."
+        hardware = f" Note: {self._hardware}." if self._hardware else ""
         extra = " Keeps fp32 master weights." if self.master_weights else ""
-        return what + why + extra
+        return what + why + hardware + extra
 
     def __repr__(self):
-        return (f"Policy(dtype={_NAMES[self.dtype]!r}, loss_scaling={self.loss_scaling!r}, "
-                f"master_weights={self.master_weights}, backend={self.backend!r}, device={str(self.device)!r})")
+        # Safe on any instance, half-built ones included (a failing __init__ shows in tracebacks).
+        def get(name):
+            return getattr(self, name, "?")
+
+        dtype = get("dtype")
+        dtype = _NAMES.get(dtype, dtype) if isinstance(dtype, torch.dtype) else dtype
+        return (f"Policy(dtype={dtype!r}, loss_scaling={get('loss_scaling')!r}, "
+                f"master_weights={get('master_weights')}, backend={get('backend')!r}, "
+                f"device={str(get('device'))!r})")
 
     # ---- what each backend gets ---------------------------------------------------------
 

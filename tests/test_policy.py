@@ -1,4 +1,6 @@
 """ampx.Policy: choosing a dtype, explaining it, and each backend's native configuration."""
+import warnings
+
 import pytest
 import torch
 
@@ -39,18 +41,98 @@ def test_auto_on_cpu(cpu_bf16, native, dtype):
     assert ("natively" in p.explain()) == native
 
 
-def test_auto_on_this_cpu_matches_its_flags():
+def test_auto_on_this_cpu_matches_its_flags(monkeypatch):
+    monkeypatch.delenv("AMPX_CPU_BF16", raising=False)  # CI forces the probe; this test reads the real CPU
     flags = open("/proc/cpuinfo").read() if hasattr(torch.cpu, "_is_avx512_bf16_supported") else ""
     expect = torch.bfloat16 if ("avx512_bf16" in flags or "amx_tile" in flags) else torch.float32
     assert ampx.Policy.auto("cpu").dtype == expect
 
 
-def test_bf16_without_hardware_is_a_clear_error(fake_cuda, cpu_bf16):
-    with pytest.raises(ValueError, match="compute capability 7.0"):
-        ampx.Policy("bf16", device=fake_cuda(7, 0))
+@pytest.mark.parametrize("value,native", [("0", False), ("1", True)])
+def test_the_cpu_probe_can_be_forced(monkeypatch, value, native):
+    monkeypatch.setenv("AMPX_CPU_BF16", value)
+    assert policy_mod._cpu_has_native_bf16() is native
+    assert ampx.Policy.auto("cpu").dtype == (torch.bfloat16 if native else torch.float32)
+
+
+def test_a_bad_probe_override_is_named(monkeypatch):
+    monkeypatch.setenv("AMPX_CPU_BF16", "yes")
+    with pytest.raises(ValueError, match="AMPX_CPU_BF16='yes'"):
+        ampx.Policy.auto("cpu")
+
+
+def test_bf16_on_slow_hardware_is_honoured_with_a_warning(fake_cuda, cpu_bf16):
+    with pytest.warns(ampx.PerformanceWarning, match="compute capability 7.0"):
+        p = ampx.Policy("bf16", device=fake_cuda(7, 0))
+    assert p.dtype == torch.bfloat16 and "7.0" in p.explain()
     cpu_bf16(False)
-    with pytest.raises(ValueError, match="no native bf16"):
-        ampx.Policy("bf16", device="cpu")
+    with pytest.warns(ampx.PerformanceWarning, match="no native bf16"):
+        p = ampx.Policy("bf16", device="cpu")
+    assert p.dtype == torch.bfloat16 and p.loss_scaling == "none"
+    assert "no native bf16" in p.explain() and "slower" in p.explain()
+    with p.autocast():  # torch runs it: the policy only had to stop refusing
+        assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.bfloat16
+
+
+def test_native_bf16_gives_no_warning(cpu_bf16, recwarn):
+    cpu_bf16(True)
+    p = ampx.Policy("bf16", device="cpu")
+    assert p.explain().endswith("as asked.")
+    assert not [w for w in recwarn if issubclass(w.category, ampx.PerformanceWarning)]
+
+
+def test_fp16_on_a_cpu_without_native_fp16_warns(monkeypatch):
+    monkeypatch.setattr(policy_mod, "_cpu_has_native_fp16", lambda: False)
+    with pytest.warns(ampx.PerformanceWarning, match="no native fp16"):
+        assert ampx.Policy("fp16", device="cpu").dtype == torch.float16
+    monkeypatch.setattr(policy_mod, "_cpu_has_native_fp16", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ampx.PerformanceWarning)
+        ampx.Policy("fp16", device="cpu")
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """A machine without CUDA, whatever this one has (a login node generating configs)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_a_policy_for_a_device_this_machine_lacks_builds_every_config(no_cuda, dtype, recwarn):
+    p = ampx.Policy(dtype, device="cuda")
+    assert str(p.device) == "cuda" and "not checked" in p.explain()
+    assert not [w for w in recwarn if issubclass(w.category, ampx.PerformanceWarning)]
+    section = "bf16" if dtype == "bf16" else "fp16"
+    assert p.deepspeed_config({"train_batch_size": 8})[section]["enabled"] is True
+    assert p.fsdp_mixed_precision().param_dtype == p.dtype
+    assert p.fsdp2_policy().param_dtype == p.dtype
+    assert repr(p).startswith("Policy(dtype=")
+    assert ampx.Policy(dtype, device="cuda:3").deepspeed_config()[section]["enabled"] is True
+
+
+def test_auto_for_a_device_this_machine_lacks_assumes_bf16_and_says_so(no_cuda):
+    with pytest.warns(UserWarning, match="not checked"):
+        p = ampx.Policy.auto("cuda")
+    assert p.dtype == torch.bfloat16 and "not checked" in p.explain()
+
+
+def test_the_capability_probe_survives_a_torch_without_cuda(monkeypatch):
+    def broken(*a, **k):
+        raise AssertionError("Torch not compiled with CUDA enabled")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", broken)
+    assert policy_mod._cuda_capability(torch.device("cuda", 0)) is None
+
+
+def test_repr_works_on_any_instance():
+    half = ampx.Policy.__new__(ampx.Policy)
+    assert repr(half).startswith("Policy(")
+    half.dtype = torch.float16
+    assert "fp16" in repr(half)
+    with pytest.raises(ValueError, match="loss_scaling"):
+        ampx.Policy("fp16", loss_scaling="bogus", device="cpu")
 
 
 @pytest.mark.parametrize("kw,match", [({"dtype": "int8"}, "dtype"), ({"loss_scaling": "sometimes"}, "loss_scaling"),
