@@ -10,7 +10,7 @@ import math
 from collections import deque
 
 import torch
-from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+from torch.amp.grad_scaler import OptState
 
 from . import _C, ops
 from .master import MasterWeights
@@ -718,10 +718,16 @@ def _check_sharded_placements(grad, name, index, group):
                 "process_group None when gradients are replicated")
 
 
+def _fresh_opt_state():
+    """One optimizer's per-step state, with the keys torch's scaler gives it (torch builds it in a
+    private function, so ampx builds its own; tests compare the two where torch has one)."""
+    return {"stage": OptState.READY, "found_inf_per_device": {}}
+
+
 def _fresh_states():
     from collections import defaultdict
 
-    return defaultdict(_refresh_per_optimizer_state)
+    return defaultdict(_fresh_opt_state)
 
 
 class _Pending:

@@ -34,7 +34,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+from torch.amp.grad_scaler import OptState
 
 import ampx
 from conftest import CHUNK, special_values
@@ -817,7 +817,7 @@ def test_pickle(lazy_init):
     assert b.get_scale() == 3.0
     assert (b.get_growth_factor(), b.get_backoff_factor(), b.get_growth_interval()) == (4.0, 0.5, 2)
     assert b._init_growth_tracker == 0
-    assert b._per_optimizer_states["fdsa"] == _refresh_per_optimizer_state()
+    assert b._per_optimizer_states["fdsa"] == {"stage": OptState.READY, "found_inf_per_device": {}}
     if lazy_init:
         same(b.scale(torch.tensor([4.0])), torch.tensor([12.0]))
     d = pickle.loads(pickle.dumps(ampx_scaler(enabled=False)))
@@ -1787,3 +1787,15 @@ def test_overflow_report_names_and_stats():
     assert st_["steps"] == 4 and st_["skipped_steps"] == 1 and st_["scale"] == 64.0
     assert st_["min_scale_seen"] == 64.0 and st_["max_scale_seen"] == 128.0
     assert [h[0] for h in st_["history"]] == [1, 2, 3, 4]
+
+
+def test_fresh_optimizer_state_matches_torchs_private_one():
+    """ampx builds its per-optimizer state itself instead of importing torch's private
+    ``_refresh_per_optimizer_state``; where torch still has it, the two must agree."""
+    from ampx import scaler as scaler_mod
+
+    torchs = getattr(torch.amp.grad_scaler, "_refresh_per_optimizer_state", None)
+    if torchs is None:
+        pytest.skip("this torch has no _refresh_per_optimizer_state to compare with")
+    assert scaler_mod._fresh_opt_state() == torchs()
+    assert ampx.GradScaler("cpu")._per_optimizer_states["x"] == torchs()
