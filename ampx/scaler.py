@@ -5,7 +5,6 @@ stage machine, error messages and ``state_dict`` keys, and replaces the work: ev
 inf check, norm and scale update is one call of an ``ampx.ops`` kernel over all gradients of a
 device, whatever their dtypes.
 """
-import logging
 import math
 from collections import deque
 
@@ -14,37 +13,16 @@ from torch.amp.grad_scaler import OptState
 
 from . import _C, ops
 from .master import MasterWeights
+from .sharding import agree, check_sharded_placements, combine
+from .telemetry import OverflowReport, TelemetryMixin, _LazySkip
 
 __all__ = ["GradScaler", "ShardedGradScaler", "OverflowReport"]
-
-logger = logging.getLogger("ampx")
 
 _ORD = {2.0: 1, 1.0: 2, math.inf: 3}
 _MIN_SCALE_ACTIONS = ("warn", "raise", "ignore")
 
 
-class OverflowReport:
-    """Which parameters held inf or NaN gradients on a skipped step.
-
-    Attributes:
-        step: the scaler's step count (``stats()["steps"]``) of the skipped step.
-        inf: names of parameters whose gradient held +-inf.
-        nan: names of parameters whose gradient held NaN.
-    """
-
-    def __init__(self, step, inf, nan):
-        self.step = step
-        self.inf = inf
-        self.nan = nan
-
-    def __repr__(self):
-        return f"OverflowReport(step={self.step}, inf={self.inf}, nan={self.nan})"
-
-
-class GradScaler(torch.amp.GradScaler):
-    # Tests set this to run the device-side (deferred) telemetry path on a CPU scale.
-    _force_lazy_telemetry = False
-
+class GradScaler(TelemetryMixin, torch.amp.GradScaler):
     """Loss scaling for mixed-precision training; a drop-in for ``torch.amp.GradScaler``.
 
     Without the keyword-only extras it behaves exactly as torch's scaler (same scale after
@@ -77,11 +55,15 @@ class GradScaler(torch.amp.GradScaler):
         ValueError: a bad extra (hysteresis < 1, min_scale > max_scale, unknown on_min_scale).
     """
 
+    # Tests set this to run the device-side (deferred) telemetry path on a CPU scale.
+    _force_lazy_telemetry = False
+
     def __init__(self, device="cuda", init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
                  growth_interval=2000, enabled=True, *, hysteresis=1, consecutive_hysteresis=False,
                  min_scale=None, max_scale=None, on_min_scale="warn", dynamic=True,
                  named_parameters=None, history=1000, on_overflow=None, process_group=None):
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+        self._per_optimizer_states = _fresh_states()  # torch's has only torch's keys
         self.process_group = process_group
         self._sharded = process_group is not None
         if int(hysteresis) != hysteresis or hysteresis < 1:
@@ -103,15 +85,7 @@ class GradScaler(torch.amp.GradScaler):
         self._param_names = {}
         if named_parameters is not None:
             self.watch(named_parameters)
-        self._on_overflow = on_overflow
-        self._history = deque(maxlen=int(history))
-        self._steps = 0
-        self._skipped = 0
-        self._scale_lo = math.inf
-        self._scale_hi = 0.0
-        self._last_norm = None
-        self._last_report = None
-        self._pending = deque()  # device-side updates whose telemetry has not been read yet
+        self._init_telemetry(history, on_overflow)
         self.last_step_skipped = False
         # Per optimizer, for the overflow report: (params, per-tensor flags) of the last pass.
         self._flag_sources = {}
@@ -155,7 +129,7 @@ class GradScaler(torch.amp.GradScaler):
                 raise ValueError("Attempting to unscale FP16 gradients.")
             if hasattr(g, "to_local"):  # DTensor (FSDP2): work on this rank's shard in place
                 if for_norm and self._sharded:
-                    _check_sharded_placements(g, self._param_names.get(id(p)), len(out), self.process_group)
+                    check_sharded_placements(g, self._param_names.get(id(p)), len(out), self.process_group)
                 g = g.to_local()
             if g.is_sparse:
                 if g.dtype is torch.float16 or (for_norm and not g.is_coalesced()):
@@ -171,7 +145,7 @@ class GradScaler(torch.amp.GradScaler):
         Sparse gradients take a slower path through their values. Like torch, the returned
         found_inf is a fresh tensor (the argument is left alone), and an optimizer without
         gradients records no inf check at all, except in sharded mode, where every rank
-        takes part in the step's one collective (``_agree``) whether it holds gradients or not.
+        takes part in the step's one collective (``sharding.agree``) whether it holds gradients or not.
         need_found=False: only the total is wanted from the collective.
 
         The call runs on the gradients' device (CPU, or ampx's CUDA kernels on the caller's
@@ -190,7 +164,7 @@ class GradScaler(torch.amp.GradScaler):
             total = torch.zeros((), dtype=torch.float32, device=found_inf.device) if reduce else None
             if not self._sharded:
                 return {}, total
-            found_inf, total = self._agree(found_inf if need_found else None, total, reduce)
+            found_inf, total = agree(found_inf if need_found else None, total, reduce, self.process_group)
             return ({} if found_inf is None else {found_inf.device: found_inf}), total
         try:
             parts = [self._device_pass(optimizer, params, grads, inv_scale, found_inf, allow_fp16, write, reduce)]
@@ -209,13 +183,13 @@ class GradScaler(torch.amp.GradScaler):
         per_device = {}
         for _, _, _, f, _ in parts:
             per_device[f.device] = f if f.device not in per_device else per_device[f.device] + f
-        total = _combine([t for _, _, _, _, t in parts], reduce, found_inf.device) if reduce else None
+        total = combine([t for _, _, _, _, t in parts], reduce, found_inf.device) if reduce else None
         if self._sharded:
             if len(per_device) > 1:
                 found = sum(f.to(found_inf.device) for f in per_device.values())
             else:
                 found = next(iter(per_device.values()))
-            found, total = self._agree(found if need_found else None, total, reduce)
+            found, total = agree(found if need_found else None, total, reduce, self.process_group)
             return ({} if found is None else {found.device: found}), total
         return per_device, total
 
@@ -244,48 +218,6 @@ class GradScaler(torch.amp.GradScaler):
         if reduce and total is None:
             total = torch.zeros((), dtype=torch.float32, device=dev)
         return params, flags, grads, found, total
-
-    def _agree(self, found_inf, total, reduce):
-        """The sharded step's one collective: every rank learns whether any rank overflowed
-        and the global norm, from one all-reduce of [found_inf, local quantity].
-
-        L2 carries the local sum of squares (float64, summed), L1 the local sum, inf the
-        local max (with MAX, which also ORs the flags). A local NaN norm is sent as +inf
-        under MAX, whose NaN handling differs between backends. Returns the agreed
-        (found_inf, total); found_inf stays 0.0 or 1.0, as fused optimizers expect.
-        """
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return found_inf, total  # one process: nothing to agree on
-        group = self.process_group  # None: the default group
-        like = found_inf if found_inf is not None else total
-        dev = like.device
-        if dev.type == "cpu" and dist.get_backend(group) == "nccl":
-            dev = torch.device("cuda", torch.cuda.current_device())
-        parts = []
-        if found_inf is not None:
-            parts.append(found_inf.reshape(1).to(dev, torch.float64))
-        if reduce:
-            local = total.to(dev, torch.float64).reshape(1)
-            if reduce == 1:
-                local = local * local
-            elif reduce == 3:
-                local = torch.nan_to_num(local, nan=math.inf)
-            parts.append(local)
-        buf = parts[0] if len(parts) == 1 else torch.cat(parts)
-        op = dist.ReduceOp.MAX if (reduce == 3 or not reduce) else dist.ReduceOp.SUM
-        _all_reduce(buf, op, group)
-        i = 0
-        if found_inf is not None:
-            found_inf = buf[0].clamp(max=1.0).to(like.device, torch.float32).reshape(found_inf.shape)
-            i = 1
-        if reduce:
-            g = buf[i]
-            if reduce == 1:
-                g = g.sqrt()
-            total = g.to(total.device, torch.float32).reshape(())
-        return found_inf, total
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         # torch's hook, kept with its signature: libraries call it.
@@ -342,20 +274,13 @@ class GradScaler(torch.amp.GradScaler):
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
         self._check_scale_growth_tracker("clip_grad_norm_")
         state = self._per_optimizer_states[id(optimizer)]
-        if state.get("clipped"):
+        if state["clipped"]:
             raise RuntimeError("clip_grad_norm_() has already been called on this optimizer since the last update().")
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("clip_grad_norm_() is being called after step().")
         reduce = _ORD.get(float(norm_type))
         if reduce is None:
-            if state["stage"] is OptState.READY:
-                self.unscale_(optimizer)
-            params, _ = self._params_with_grads(optimizer)
-            total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
-            state["clipped"] = True
-            self._last_norm = total
-            return total
-
+            return self._clip_other_norm(optimizer, state, max_norm, norm_type, error_if_nonfinite)
         # An optimizer that reads plain gradients needs them unscaled and clipped in memory. If
         # the last step did not clip (norm <= max_norm), expect the same: unscale in place while
         # computing the norm (one read-write pass, torch's own order of operations), and multiply
@@ -366,22 +291,49 @@ class GradScaler(torch.amp.GradScaler):
         on_cpu = self._scale.device.type == "cpu"
         hints = self.__dict__.setdefault("_clip_active", {})  # (absent from older pickles)
         if state["stage"] is OptState.READY and plain and on_cpu and not hints.get(id(optimizer), True):
-            per_device, total = self._grad_pass(optimizer, self._inv_scale(), self._new_found_inf(), False,
-                                                write=True, reduce=reduce)
-            state["found_inf_per_device"] = per_device
-            self._check_clip_norm(total, norm_type, error_if_nonfinite)
-            coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-            self._last_norm = total
-            state["clipped"] = True
-            active = float(coef) < 1.0
-            if active:
-                with torch.no_grad():
-                    ops.mul_(self._last_grads, coef)
-            hints[id(optimizer)] = active
-            self._last_grads = None
-            state["stage"] = OptState.UNSCALED
-            return total
+            total, coef = self._clip_unscaling_first(optimizer, state, max_norm, reduce, norm_type,
+                                                     error_if_nonfinite)
+        else:
+            total, coef = self._clip_norm_first(optimizer, state, max_norm, reduce, norm_type,
+                                                error_if_nonfinite)
+        if plain and on_cpu:
+            hints[id(optimizer)] = float(coef) < 1.0
+        return total
 
+    def _clip_other_norm(self, optimizer, state, max_norm, norm_type, error_if_nonfinite):
+        """Route 1, a norm the kernels do not compute (p other than 2, 1, inf): unscale, then
+        torch's own clip."""
+        if state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        params, _ = self._params_with_grads(optimizer)
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        state["clipped"] = True
+        self._last_norm = total
+        return total
+
+    def _clip_unscaling_first(self, optimizer, state, max_norm, reduce, norm_type, error_if_nonfinite):
+        """Route 2, a plain optimizer whose last step did not clip: one read-write pass unscales
+        while it computes the norm, and a second multiplies by the coefficient only if it is < 1.
+        Returns (norm, clip coefficient)."""
+        per_device, total = self._grad_pass(optimizer, self._inv_scale(), self._new_found_inf(), False,
+                                            write=True, reduce=reduce)
+        state["found_inf_per_device"] = per_device
+        self._check_clip_norm(total, norm_type, error_if_nonfinite)
+        coef = _clip_coef(max_norm, total)
+        self._last_norm = total
+        state["clipped"] = True
+        if float(coef) < 1.0:
+            with torch.no_grad():
+                ops.mul_(self._last_grads, coef)
+        self._last_grads = None
+        state["stage"] = OptState.UNSCALED
+        return total, coef
+
+    def _clip_norm_first(self, optimizer, state, max_norm, reduce, norm_type, error_if_nonfinite):
+        """Route 3, the norm read first (also after unscale_()). A fused optimizer gets the clip
+        folded into its grad_scale at step() and nothing is written now; master weights get it on
+        the way into the masters; anything else one in-place pass by inv_scale * coef.
+        Returns (norm, clip coefficient)."""
         if state["stage"] is OptState.READY:
             inv = self._inv_scale()
             found_inf = self._new_found_inf()
@@ -392,19 +344,15 @@ class GradScaler(torch.amp.GradScaler):
             _, total = self._grad_pass(optimizer, None, self._new_found_inf(), True, write=False, reduce=reduce,
                                        need_found=False)
         self._check_clip_norm(total, norm_type, error_if_nonfinite)
-        # torch's rule: coef = max_norm / (norm + 1e-6), at most 1.
-        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        coef = _clip_coef(max_norm, total)
         self._last_norm = total
         state["clipped"] = True
-        if plain and on_cpu:
-            hints[id(optimizer)] = float(coef) < 1.0
         if inv is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
             self._last_grads = None
             # Folded into the fused optimizer's grad_scale at step(); nothing written now.
             state["clip_coef"] = coef
-            state["stage"] = OptState.READY
             state["inf_checked"] = True
-            return total
+            return total, coef
         factor = coef if inv is None else inv * coef
         if isinstance(optimizer, MasterWeights):
             if inv is None:
@@ -416,7 +364,7 @@ class GradScaler(torch.amp.GradScaler):
                 ops.mul_(self._last_grads, factor)  # the dense views of the pass just made
         self._last_grads = None
         state["stage"] = OptState.UNSCALED
-        return total
+        return total, coef
 
     @staticmethod
     def _check_clip_norm(total, norm_type, error_if_nonfinite):
@@ -433,7 +381,7 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         state = self._per_optimizer_states[id(optimizer)]
-        if state.get("inf_checked") and state["stage"] is OptState.READY:
+        if state["inf_checked"] and state["stage"] is OptState.READY:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         super().unscale_(optimizer)
 
@@ -460,7 +408,7 @@ class GradScaler(torch.amp.GradScaler):
             if "grad_scaler" in inspect.signature(optimizer.step).parameters:
                 # The deprecated contract: the optimizer drives the scaler itself.
                 return super().step(optimizer, *args, **kwargs)
-            if state["stage"] is OptState.READY and not state.get("inf_checked"):
+            if state["stage"] is OptState.READY and not state["inf_checked"]:
                 self._check_inf_per_device(optimizer)
             found = list(state["found_inf_per_device"].values())
             found_inf = found[0] if len(found) == 1 else sum(t.to(self._scale.device) for t in found)
@@ -468,7 +416,7 @@ class GradScaler(torch.amp.GradScaler):
                 grad_scale = getattr(optimizer, "grad_scale", None)
             else:
                 grad_scale = self._scale * getattr(optimizer, "grad_scale", 1)
-                coef = state.get("clip_coef")
+                coef = state["clip_coef"]
                 if coef is not None:
                     grad_scale = grad_scale / coef
             optimizer.grad_scale = grad_scale
@@ -502,6 +450,7 @@ class GradScaler(torch.amp.GradScaler):
         scale, tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
             super().update(new_scale)
+            self._per_optimizer_states = _fresh_states()  # torch's has only torch's keys
             self._record(skipped=False)
             return
         found_infs = [f.to(device=scale.device, non_blocking=True)
@@ -527,82 +476,8 @@ class GradScaler(torch.amp.GradScaler):
             return
         # A device scale: the telemetry travels in one small non-blocking copy and is read once
         # the device has got there (at a later update, or when stats() or a report asks), so
-        # the step never waits for the host. on_min_scale="raise" has to know now: it waits.
-        if self._on_min_scale == "raise" and self._dynamic and int(events) & _C.UPD_AT_MIN:
-            self._drain(wait=True)
-            self._account(self._steps, float(scale.item()), True, int(events), sources)
-        self._pending.append(_Pending(self._steps, scale, found, events, sources))
-        self._drain(wait=False)
-
-    # ---- telemetry and reports --------------------------------------------------------
-
-    def _record(self, skipped):
-        """Telemetry of an update(new_scale) step (the scale was set by hand)."""
-        self._steps += 1
-        self._drain(wait=True)
-        self._account(self._steps, float(self._scale.item()), skipped, 0, [])
-
-    def _drain(self, wait):
-        """Accounts for finished device-side updates, oldest first (all of them if wait)."""
-        while self._pending and (wait or self._pending[0].ready()):
-            e = self._pending.popleft()
-            self._account(*e.values())
-
-    def _account(self, step, scale, skipped, events, sources):
-        """One update's telemetry: counts, report and callback, the floor, scale history."""
-        if skipped:
-            self._skipped += 1
-            self._last_report = self._make_report(step, sources)
-            logger.debug("ampx.GradScaler: step %d skipped (inf/NaN gradients); scale -> %s", step, scale)
-            if self._on_overflow is not None:
-                self._on_overflow(self._last_report)
-        if events & _C.UPD_AT_MIN:
-            msg = (f"ampx.GradScaler: gradients overflowed with the loss scale already at min_scale="
-                   f"{self._min_scale}; the step was skipped and the scale cannot fall further.")
-            if self._on_min_scale == "raise":
-                raise RuntimeError(msg + " (on_min_scale='raise')")
-            if self._on_min_scale == "warn":
-                logger.warning(msg)
-        self._scale_lo = min(self._scale_lo, scale)
-        self._scale_hi = max(self._scale_hi, scale)
-        self._history.append((step, scale))
-
-    def _make_report(self, step, sources):
-        inf, nan = [], []
-        for params, flags in (pair for src in sources for pair in src):
-            flags = flags.cpu()
-            bad = torch.nonzero(flags).flatten().tolist()
-            for i in bad:
-                p, f = params[i], int(flags[i])
-                name = self._param_names.get(id(p)) or f"param[{i}] {tuple(p.shape)}"
-                if f & ops.FLAG_INF:
-                    inf.append(name)
-                if f & ops.FLAG_NAN:
-                    nan.append(name)
-        return OverflowReport(step, inf, nan)
-
-    def overflow_report(self):
-        """The ``OverflowReport`` of the most recent skipped step, or None (with a CUDA scale,
-        this waits for the device to finish the steps not yet accounted for)."""
-        self._drain(wait=True)
-        return self._last_report
-
-    def stats(self):
-        """Telemetry: steps, skipped_steps, scale, min/max scale seen, last_norm, history.
-
-        With a CUDA scale, the counts, history and overflow callbacks of a step are taken from
-        the device without waiting, so they may arrive a few steps late; ``stats()`` itself
-        waits for all of them."""
-        self._drain(wait=True)
-        return {
-            "steps": self._steps,
-            "skipped_steps": self._skipped,
-            "scale": self.get_scale(),
-            "min_scale_seen": None if self._steps == 0 else self._scale_lo,
-            "max_scale_seen": None if self._steps == 0 else self._scale_hi,
-            "last_norm": None if self._last_norm is None else float(self._last_norm),
-            "history": list(self._history),
-        }
+        # the step never waits for the host.
+        self._defer(scale, found, events, sources)
 
     # ---- state ------------------------------------------------------------------------
 
@@ -656,6 +531,12 @@ class GradScaler(torch.amp.GradScaler):
         return state
 
 
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        # A pickle from before every per-optimizer key was declared carries torch's factory.
+        self._per_optimizer_states = _fresh_states()
+
+
 class ShardedGradScaler(GradScaler):
     """A drop-in for ``torch.distributed.fsdp.ShardedGradScaler``, on ampx's kernels.
 
@@ -675,97 +556,28 @@ class ShardedGradScaler(GradScaler):
         self._sharded = True
 
 
-def _combine(totals, reduce, device):
-    """The norm of several per-device partial norms (L2 / L1 / inf), on ``device``."""
-    if len(totals) == 1:
-        return totals[0]
-    parts = torch.stack([t.to(device, torch.float64) for t in totals])
-    if reduce == 1:
-        out = parts.square().sum().sqrt()
-    elif reduce == 2:
-        out = parts.sum()
-    else:
-        out = parts.max()
-    return out.float()
-
-
-def _all_reduce(buf, op, group):
-    """The scaler's only collective (a module function, so tests can count its calls)."""
-    import torch.distributed as dist
-
-    dist.all_reduce(buf, op=op, group=group)
-
-
-def _check_sharded_placements(grad, name, index, group):
-    """A norm summed over ``group`` counts each element once only if no gradient is replicated
-    (or pending a reduction) across a mesh dimension that shares more than one rank with the
-    group. HSDP's replicate dimension is fine when the group is the shard dimension's."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import Shard
-
-    mesh = grad.device_mesh
-    ours = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-    for dim, placement in enumerate(grad.placements):
-        if isinstance(placement, Shard) or mesh.size(dim) < 2:
-            continue
-        if len(ours.intersection(dist.get_process_group_ranks(mesh.get_group(dim)))) > 1:
-            who = name or f"param[{index}]"
-            raise ValueError(
-                f"ampx.GradScaler(process_group=...): the gradient of {who} is {type(placement).__name__} over mesh "
-                f"dimension {dim} (size {mesh.size(dim)}), which the scaler's group spans, so a norm "
-                "summed over the group would count it more than once; pass the group across which "
-                "gradients are sharded (for HSDP, the shard dimension's group), or leave "
-                "process_group None when gradients are replicated")
+def _clip_coef(max_norm, total):
+    """torch's rule: coef = max_norm / (norm + 1e-6), at most 1 (a 0-dim tensor, no host read)."""
+    return torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
 
 
 def _fresh_opt_state():
-    """One optimizer's per-step state, with the keys torch's scaler gives it (torch builds it in a
-    private function, so ampx builds its own; tests compare the two where torch has one)."""
-    return {"stage": OptState.READY, "found_inf_per_device": {}}
+    """One optimizer's state for one step, every key declared here.
+
+    stage: torch's OptState (READY, UNSCALED, STEPPED), the first two keys exactly as torch's
+        scaler has them (torch builds them in a private function, so ampx builds its own; a test
+        compares the two where torch has one).
+    found_inf_per_device: {device: found_inf} from the pass that checked the gradients.
+    inf_checked: the gradients were checked but left scaled (stage still READY): the fused-
+        optimizer clip route, whose unscale happens inside the optimizer's own kernel.
+    clipped: clip_grad_norm_ ran this step (a second call is an error).
+    clip_coef: that route's clip coefficient, folded into the fused optimizer's grad_scale.
+    """
+    return {"stage": OptState.READY, "found_inf_per_device": {}, "inf_checked": False, "clipped": False,
+            "clip_coef": None}
 
 
 def _fresh_states():
     from collections import defaultdict
 
     return defaultdict(_fresh_opt_state)
-
-
-class _Pending:
-    """One update's telemetry on its way from the device: scale, found_inf, the update's events
-    and the per-tensor flags, copied without blocking into host memory, with an event that
-    says when the copy has landed."""
-
-    def __init__(self, step, scale, found, events, sources):
-        self.step = step
-        vals = torch.stack([scale.reshape(()).double(), found.reshape(()).double(),
-                            (events.reshape(()).double() if isinstance(events, torch.Tensor)
-                             else scale.new_full((), float(events), dtype=torch.float64))])
-        self.vals = vals.to("cpu", non_blocking=True)
-        self.sources = [[(ps, fl.to("cpu", non_blocking=True)) for ps, fl in src] for src in sources]
-        self.event = None
-        if scale.device.type == "cuda":
-            self.event = torch.cuda.Event()
-            self.event.record(torch.cuda.current_stream(scale.device))
-
-    def ready(self):
-        return self.event is None or self.event.query()
-
-    def values(self):
-        if self.event is not None and not self.event.query():
-            self.event.synchronize()
-        s, f, e = self.vals.tolist()
-        return self.step, s, bool(f), int(e), self.sources
-
-
-class _LazySkip:
-    """A bool that reads a device flag only when asked (no sync until then)."""
-
-    def __init__(self, found_inf):
-        self._found_inf = found_inf
-
-    def __bool__(self):
-        f = self._found_inf
-        return bool(f.item()) if isinstance(f, torch.Tensor) else bool(f)
-
-    def __repr__(self):
-        return repr(bool(self))

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import ampx
-import ampx.scaler as scaler_mod
+import ampx.telemetry as telemetry_mod
 
 
 def _run(lazy, monkeypatch, never_ready=False, **kw):
     monkeypatch.setattr(ampx.GradScaler, "_force_lazy_telemetry", lazy)
     if never_ready:
-        monkeypatch.setattr(scaler_mod._Pending, "ready", lambda self: False)
+        monkeypatch.setattr(telemetry_mod._Pending, "ready", lambda self: False)
     torch.manual_seed(0)
     a = torch.nn.Parameter(torch.randn(10))
     b = torch.nn.Parameter(torch.randn(3, 4))

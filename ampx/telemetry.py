@@ -1,0 +1,171 @@
+"""What ampx.GradScaler reports about itself: counts, scale history, overflow reports.
+
+Owns ``OverflowReport`` and the bookkeeping mixin that ``GradScaler`` inherits. The scaler's
+stage machine (ampx/scaler.py) calls ``_account`` once per update with that update's results;
+with a device scale it hands them over as a ``_Pending`` copy instead, accounted for once the
+copy has landed, so ``update()`` never waits for the device. Nothing here touches gradients.
+"""
+import logging
+import math
+from collections import deque
+
+import torch
+
+from . import _C, ops
+
+__all__ = ["OverflowReport"]
+
+logger = logging.getLogger("ampx")
+
+
+class OverflowReport:
+    """Which parameters held inf or NaN gradients on a skipped step.
+
+    Attributes:
+        step: the scaler's step count (``stats()["steps"]``) of the skipped step.
+        inf: names of parameters whose gradient held +-inf.
+        nan: names of parameters whose gradient held NaN.
+    """
+
+    def __init__(self, step, inf, nan):
+        self.step = step
+        self.inf = inf
+        self.nan = nan
+
+    def __repr__(self):
+        return f"OverflowReport(step={self.step}, inf={self.inf}, nan={self.nan})"
+
+
+class _Pending:
+    """One update's telemetry on its way from the device: scale, found_inf, the update's events
+    and the per-tensor flags, copied without blocking into host memory, with an event that
+    says when the copy has landed."""
+
+    def __init__(self, step, scale, found, events, sources):
+        self.step = step
+        vals = torch.stack([scale.reshape(()).double(), found.reshape(()).double(),
+                            (events.reshape(()).double() if isinstance(events, torch.Tensor)
+                             else scale.new_full((), float(events), dtype=torch.float64))])
+        self.vals = vals.to("cpu", non_blocking=True)
+        self.sources = [[(ps, fl.to("cpu", non_blocking=True)) for ps, fl in src] for src in sources]
+        self.event = None
+        if scale.device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(scale.device))
+
+    def ready(self):
+        return self.event is None or self.event.query()
+
+    def values(self):
+        if self.event is not None and not self.event.query():
+            self.event.synchronize()
+        s, f, e = self.vals.tolist()
+        return self.step, s, bool(f), int(e), self.sources
+
+
+class _LazySkip:
+    """A bool that reads a device flag only when asked (no sync until then)."""
+
+    def __init__(self, found_inf):
+        self._found_inf = found_inf
+
+    def __bool__(self):
+        f = self._found_inf
+        return bool(f.item()) if isinstance(f, torch.Tensor) else bool(f)
+
+    def __repr__(self):
+        return repr(bool(self))
+
+
+class TelemetryMixin:
+    """Counts, scale range and history, the last norm and overflow report, the overflow
+    callback and the ``on_min_scale`` floor action. ``GradScaler`` inherits it; the attributes
+    live on the scaler (``_init_telemetry`` sets them) so pickles keep their old shape."""
+
+    def _init_telemetry(self, history, on_overflow):
+        self._on_overflow = on_overflow
+        self._history = deque(maxlen=int(history))
+        self._steps = 0
+        self._skipped = 0
+        self._scale_lo = math.inf
+        self._scale_hi = 0.0
+        self._last_norm = None
+        self._last_report = None
+        self._pending = deque()  # device-side updates whose telemetry has not been read yet
+
+    def _record(self, skipped):
+        """Telemetry of an update(new_scale) step (the scale was set by hand)."""
+        self._steps += 1
+        self._drain(wait=True)
+        self._account(self._steps, float(self._scale.item()), skipped, 0, [])
+
+    def _defer(self, scale, found, events, sources):
+        """Hands one device-side update's telemetry over without waiting for the device."""
+        # on_min_scale="raise" has to know now: it waits.
+        if self._on_min_scale == "raise" and self._dynamic and int(events) & _C.UPD_AT_MIN:
+            self._drain(wait=True)
+            self._account(self._steps, float(scale.item()), True, int(events), sources)
+        self._pending.append(_Pending(self._steps, scale, found, events, sources))
+        self._drain(wait=False)
+
+    def _drain(self, wait):
+        """Accounts for finished device-side updates, oldest first (all of them if wait)."""
+        while self._pending and (wait or self._pending[0].ready()):
+            e = self._pending.popleft()
+            self._account(*e.values())
+
+    def _account(self, step, scale, skipped, events, sources):
+        """One update's telemetry: counts, report and callback, the floor, scale history."""
+        if skipped:
+            self._skipped += 1
+            self._last_report = self._make_report(step, sources)
+            logger.debug("ampx.GradScaler: step %d skipped (inf/NaN gradients); scale -> %s", step, scale)
+            if self._on_overflow is not None:
+                self._on_overflow(self._last_report)
+        if events & _C.UPD_AT_MIN:
+            msg = (f"ampx.GradScaler: gradients overflowed with the loss scale already at min_scale="
+                   f"{self._min_scale}; the step was skipped and the scale cannot fall further.")
+            if self._on_min_scale == "raise":
+                raise RuntimeError(msg + " (on_min_scale='raise')")
+            if self._on_min_scale == "warn":
+                logger.warning(msg)
+        self._scale_lo = min(self._scale_lo, scale)
+        self._scale_hi = max(self._scale_hi, scale)
+        self._history.append((step, scale))
+
+    def _make_report(self, step, sources):
+        inf, nan = [], []
+        for params, flags in (pair for src in sources for pair in src):
+            flags = flags.cpu()
+            bad = torch.nonzero(flags).flatten().tolist()
+            for i in bad:
+                p, f = params[i], int(flags[i])
+                name = self._param_names.get(id(p)) or f"param[{i}] {tuple(p.shape)}"
+                if f & ops.FLAG_INF:
+                    inf.append(name)
+                if f & ops.FLAG_NAN:
+                    nan.append(name)
+        return OverflowReport(step, inf, nan)
+
+    def overflow_report(self):
+        """The ``OverflowReport`` of the most recent skipped step, or None (with a CUDA scale,
+        this waits for the device to finish the steps not yet accounted for)."""
+        self._drain(wait=True)
+        return self._last_report
+
+    def stats(self):
+        """Telemetry: steps, skipped_steps, scale, min/max scale seen, last_norm, history.
+
+        With a CUDA scale, the counts, history and overflow callbacks of a step are taken from
+        the device without waiting, so they may arrive a few steps late; ``stats()`` itself
+        waits for all of them."""
+        self._drain(wait=True)
+        return {
+            "steps": self._steps,
+            "skipped_steps": self._skipped,
+            "scale": self.get_scale(),
+            "min_scale_seen": None if self._steps == 0 else self._scale_lo,
+            "max_scale_seen": None if self._steps == 0 else self._scale_hi,
+            "last_norm": None if self._last_norm is None else float(self._last_norm),
+            "history": list(self._history),
+        }
