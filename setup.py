@@ -17,10 +17,16 @@ imports everywhere. Neither step needs torch or a GPU.
 
 Environment:
   AMPX_DEBUG=1       build with -O0 -g (and AMPX_SANITIZE=address,undefined adds sanitizers)
-  AMPX_CUDA=1        build the fatbin, failing when nvcc is missing; AMPX_CUDA=0 skips it
-                     (an existing fatbin is left alone); unset: build it when nvcc is found
+  AMPX_CUDA=1        build the fatbin, failing when nvcc is missing or fails; AMPX_CUDA=0 skips it
+                     (an existing fatbin is left alone); unset: build it when nvcc is found, and
+                     when nvcc fails, warn and build the CPU-only package
+
+Hygiene: every build compiles every object afresh (--force), in a scratch directory outside the
+source tree that is removed afterwards, so no build reuses an object made with other flags (a
+sanitizer build, another SIMD flag set) and none leaves build/ or ampx.egg-info behind.
   AMPX_NVCC_FLAGS    extra nvcc flags (e.g. -allow-unsupported-compiler)
 """
+import atexit
 import os
 import platform
 import shlex
@@ -64,6 +70,9 @@ def c_flags():
     sanitize = os.environ.get("AMPX_SANITIZE")
     if sanitize:
         flags += ["-fsanitize=" + sanitize, "-fno-omit-frame-pointer", "-g"]
+    if sys.platform.startswith("linux"):
+        # Old glibc symbol versions, so the wheel loads on glibc < 2.34 (see the header).
+        flags += ["-include", os.path.join(HERE, CSRC, "glibc_compat.h")]
     return flags
 
 
@@ -81,18 +90,18 @@ def find_nvcc():
 
 
 def cuda_wanted():
-    """(build the fatbin?, nvcc path); raises when AMPX_CUDA=1 and there is no nvcc."""
+    """(build the fatbin?, required?, nvcc path); exits when AMPX_CUDA=1 and there is no nvcc."""
     mode = os.environ.get("AMPX_CUDA", "").strip().lower()
     if mode in ("0", "no", "off", "false"):
-        return False, None
+        return False, False, None
     nvcc = find_nvcc()
     if mode in ("1", "yes", "on", "true"):
         if nvcc is None:
             sys.exit("AMPX_CUDA=1 but nvcc was not found ($CUDA_HOME/bin, /usr/local/cuda/bin, PATH)")
-        return True, nvcc
+        return True, True, nvcc
     if mode:
         sys.exit(f"AMPX_CUDA={mode!r}: expected 1 or 0")
-    return nvcc is not None, nvcc
+    return nvcc is not None, False, nvcc
 
 
 def nvcc_command(nvcc, out):
@@ -112,8 +121,26 @@ def up_to_date(target, sources):
     return all(os.path.getmtime(s) <= t for s in sources)
 
 
+_SCRATCH = []
+
+
+def scratch_dir(what):
+    """A fresh directory outside the source tree for this build's intermediates, removed at exit."""
+    if not _SCRATCH:
+        root = tempfile.mkdtemp(prefix="ampx-build-")
+        _SCRATCH.append(root)
+        atexit.register(shutil.rmtree, root, True)
+    path = os.path.join(_SCRATCH[0], what)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 def link_flags():
     flags = ["-pthread"]
+    if sys.platform.startswith("linux"):
+        # On glibc < 2.34 the old dlopen/pthread_create versions (glibc_compat.h) live in libdl
+        # and libpthread: name them as dependencies, whatever the linker's --as-needed default.
+        flags += ["-Wl,--push-state,--no-as-needed", "-l:libdl.so.2", "-l:libpthread.so.0", "-Wl,--pop-state"]
     sanitize = os.environ.get("AMPX_SANITIZE")
     if sanitize:
         flags += ["-fsanitize=" + sanitize]
@@ -123,6 +150,11 @@ def link_flags():
 class BuildExt(build_ext):
     """Builds the CUDA fatbin (when wanted), then compiles the per-ISA kernel
     files with their own flags and links them in."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.force = True  # objects are cheap to rebuild and dangerous to reuse (see the top)
+        self.build_temp = scratch_dir("temp")
 
     def run(self):
         self.build_fatbin()
@@ -134,7 +166,7 @@ class BuildExt(build_ext):
         return os.path.join(os.path.dirname(self.get_ext_fullpath("ampx._C")), FATBIN_NAME)
 
     def build_fatbin(self):
-        want, nvcc = cuda_wanted()
+        want, required, nvcc = cuda_wanted()
         if not want:
             why = "AMPX_CUDA=0" if os.environ.get("AMPX_CUDA") else "nvcc not found"
             print(f"ampx: CUDA kernels not built ({why})")
@@ -156,7 +188,16 @@ class BuildExt(build_ext):
         except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-            sys.exit(f"ampx: building the CUDA kernels failed ({e}); AMPX_CUDA=0 builds without them")
+            if required:
+                sys.exit(f"ampx: building the CUDA kernels failed ({e}); AMPX_CUDA=0 builds without them")
+            # Found but broken (a toolkit too new for the host compiler, a half-installed CUDA):
+            # a CPU user must still get a working package. A fatbin left from an older build no
+            # longer matches the sources (that is why nvcc ran), so it goes too.
+            if os.path.exists(out):
+                os.unlink(out)
+            print(f"ampx: WARNING: nvcc ({nvcc}) failed ({e}); building the CPU-only package. "
+                  "ampx.cuda.is_available() will say why; set AMPX_CUDA=1 to make this an error",
+                  file=sys.stderr)
 
     def get_outputs(self):
         outputs = super().get_outputs()
@@ -194,5 +235,10 @@ ext = Extension(
 setup(
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExt},
-    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    options={
+        "bdist_wheel": {"py_limited_api": "cp39"},
+        # Keep build/ and ampx.egg-info out of the source tree (see the top).
+        "build": {"build_base": scratch_dir("build")},
+        "egg_info": {"egg_base": scratch_dir("egg")},
+    },
 )
