@@ -6,8 +6,9 @@
 #   bash scripts/run.sh bench   the kernel and scaler-step benchmarks
 #
 # It creates .venv (once), installs torch==2.13.0 (pinned: an unpinned torch
-# pulls a multi-gigabyte CUDA build) and the test tools, builds ampx in
-# place (editable), and runs the job. Extra arguments go to the job.
+# pulls a multi-gigabyte CUDA build) and what the job needs (demo: matplotlib and
+# tqdm; test: also pytest, hypothesis, numpy and DeepSpeed; bench: numpy), builds
+# ampx in place (editable), and runs the job. Extra arguments go to the job.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,15 +24,25 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 V=.venv/bin
-if ! "$V/python" -c "import torch, pytest, hypothesis, numpy, matplotlib, deepspeed" 2>/dev/null; then
-  "$V/python" -m pip install -q --upgrade pip
-  "$V/python" -m pip install -q "torch==2.13.0"
-  # DeepSpeed is only for the tests of Policy.deepspeed_config; DS_BUILD_OPS=0 builds none of its ops.
-  DS_BUILD_OPS=0 "$V/python" -m pip install -q "pytest>=7" "hypothesis>=6" numpy matplotlib deepspeed \
-    "setuptools>=77" wheel "torch==2.13.0"
+pip_q() { "$V/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
+# What each job needs, and nothing more (torch pinned every time: a bare requirement would let
+# pip swap in a multi-gigabyte CUDA build).
+base=("torch==2.13.0" "setuptools>=77" wheel)
+case "$job" in
+  demo)  need=(matplotlib tqdm);              probe="import torch, matplotlib, tqdm, setuptools, wheel" ;;
+  bench) need=(numpy);                        probe="import torch, numpy, setuptools, wheel" ;;
+  # DeepSpeed is only for the tests of Policy.deepspeed_config and prepare(); DS_BUILD_OPS=0
+  # builds none of its ops.
+  test)  need=("pytest>=7" "hypothesis>=6" numpy matplotlib tqdm deepspeed)
+         probe="import torch, pytest, hypothesis, numpy, matplotlib, tqdm, deepspeed, setuptools, wheel" ;;
+esac
+if ! "$V/python" -c "$probe" 2>/dev/null; then
+  pip_q --upgrade pip
+  DS_BUILD_OPS=0 pip_q "${base[@]}" "${need[@]}"
 fi
 # Rebuild every time: cheap, and never a stale extension.
 "$V/python" -m pip install -q --no-build-isolation --no-deps -e . >/dev/null
+echo "run.sh: set-up and build done in ${SECONDS}s" >&2
 
 case "$job" in
   demo)  exec "$V/python" -m ampx demo "$@" ;;
