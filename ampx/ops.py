@@ -64,7 +64,7 @@ __all__ = [
 FLAG_INF = _C.FLAG_INF
 FLAG_NAN = _C.FLAG_NAN
 
-_REDUCE = {2.0: 1, 1.0: 2, math.inf: 3}
+_REDUCE = {2.0: _C.REDUCE_SUMSQ, 1.0: _C.REDUCE_SUMABS, math.inf: _C.REDUCE_MAXABS}
 _SCALE, _WRITE, _CHECK, _SHIFT = _C.MODE_SCALE, _C.MODE_WRITE, _C.MODE_CHECK, _C.MODE_REDUCE_SHIFT
 
 _env_threads = os.environ.get("AMPX_NUM_THREADS")

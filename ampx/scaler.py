@@ -19,7 +19,7 @@ __all__ = ["GradScaler", "ShardedGradScaler", "OverflowReport"]
 
 logger = logging.getLogger("ampx")
 
-_ORD = {2.0: 1, 1.0: 2, math.inf: 3}
+_ORD = {2.0: _C.REDUCE_SUMSQ, 1.0: _C.REDUCE_SUMABS, math.inf: _C.REDUCE_MAXABS}
 _MIN_SCALE_ACTIONS = ("warn", "raise", "ignore")
 
 
@@ -164,7 +164,7 @@ class GradScaler(torch.amp.GradScaler):
             out.append(g)
         return out
 
-    def _grad_pass(self, optimizer, inv_scale, found_inf, allow_fp16, write, reduce=0, need_found=True):
+    def _grad_pass(self, optimizer, inv_scale, found_inf, allow_fp16, write, reduce=_C.REDUCE_NONE, need_found=True):
         """One kernel call over the optimizer's gradients; returns ({device: found_inf}, total).
 
         write: unscale in place by inv_scale; otherwise read only (norm of grads * inv_scale).
@@ -268,13 +268,13 @@ class GradScaler(torch.amp.GradScaler):
             parts.append(found_inf.reshape(1).to(dev, torch.float64))
         if reduce:
             local = total.to(dev, torch.float64).reshape(1)
-            if reduce == 1:
+            if reduce == _C.REDUCE_SUMSQ:
                 local = local * local
-            elif reduce == 3:
+            elif reduce == _C.REDUCE_MAXABS:
                 local = torch.nan_to_num(local, nan=math.inf)
             parts.append(local)
         buf = parts[0] if len(parts) == 1 else torch.cat(parts)
-        op = dist.ReduceOp.MAX if (reduce == 3 or not reduce) else dist.ReduceOp.SUM
+        op = dist.ReduceOp.MAX if (reduce == _C.REDUCE_MAXABS or not reduce) else dist.ReduceOp.SUM
         _all_reduce(buf, op, group)
         i = 0
         if found_inf is not None:
@@ -282,7 +282,7 @@ class GradScaler(torch.amp.GradScaler):
             i = 1
         if reduce:
             g = buf[i]
-            if reduce == 1:
+            if reduce == _C.REDUCE_SUMSQ:
                 g = g.sqrt()
             total = g.to(total.device, torch.float32).reshape(())
         return found_inf, total
@@ -680,9 +680,9 @@ def _combine(totals, reduce, device):
     if len(totals) == 1:
         return totals[0]
     parts = torch.stack([t.to(device, torch.float64) for t in totals])
-    if reduce == 1:
+    if reduce == _C.REDUCE_SUMSQ:
         out = parts.square().sum().sqrt()
-    elif reduce == 2:
+    elif reduce == _C.REDUCE_SUMABS:
         out = parts.sum()
     else:
         out = parts.max()

@@ -16,6 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "ampx_numerics.h"
 #include "cuda_args.h"
 
 #ifdef __cplusplus
@@ -45,6 +46,12 @@ typedef struct {
     int code;
     char msg[400];
 } ampx_cu_error;
+
+/* The scale kernels' names in the fatbin: one for each row of
+ * AMPX_SCALE_MODE_LIST (ampx_numerics.h) whose `cuda` column is 1. */
+#define AMPX_CU_SCALE_KERNEL_NAME(rd, wr, sc) ampx_k_scale_r##rd##_w##wr##_s##sc
+#define AMPX_CU_STR_(x) #x
+#define AMPX_CU_STR(x) AMPX_CU_STR_(x)
 
 /* The kernels of one device, loaded from the fatbin into its primary context. */
 typedef struct {

@@ -84,8 +84,9 @@ static PyObject *hot_attr(mstate *st, int k, PyObject *t)
     return PyObject_GetAttr(t, name);
 }
 
-static const char *const dtype_names[AMPX_NUM_DTYPES] = {"float32", "float16", "bfloat16", "float64"};
-static const int64_t elem_size[AMPX_NUM_DTYPES] = {4, 2, 2, 8};
+#define X_DTYPE_NAME(code, torch_name, size) [AMPX_##code] = #torch_name,
+static const char *const dtype_names[AMPX_NUM_DTYPES] = {AMPX_DTYPE_LIST(X_DTYPE_NAME)};
+#undef X_DTYPE_NAME
 
 static int require_init(mstate *st)
 {
@@ -648,13 +649,13 @@ static int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *s
                 goto error;
             d->ptr = m.ptr;
             L->lo[i] = (uintptr_t)m.ptr;
-            L->hi[i] = L->lo[i] + (uintptr_t)(m.numel * elem_size[m.dtype]);
+            L->hi[i] = L->lo[i] + (uintptr_t)(m.numel * ampx_elem_size(m.dtype));
             continue;
         }
         if ((d->dtype = dtype_code(st, op, arg, i, t)) < 0)
             goto error;
-        if (device < 0 ? tensor_meta(st, op, arg, i, t, elem_size[d->dtype], &d->numel, &contig)
-                       : tensor_meta_cuda(st, op, arg, i, t, elem_size[d->dtype], device, &d->numel, &contig))
+        if (device < 0 ? tensor_meta(st, op, arg, i, t, ampx_elem_size(d->dtype), &d->numel, &contig)
+                       : tensor_meta_cuda(st, op, arg, i, t, ampx_elem_size(d->dtype), device, &d->numel, &contig))
             goto error;
         if (refuse_fp16 && d->dtype == AMPX_F16) {
             /* torch.amp.GradScaler's own words, for drop-in compatibility. */
@@ -670,13 +671,13 @@ static int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *s
             if (get_data_ptr(st, t, &d->ptr) < 0)
                 goto error;
             L->lo[i] = (uintptr_t)d->ptr;
-            L->hi[i] = L->lo[i] + (uintptr_t)(d->numel * elem_size[d->dtype]);
+            L->hi[i] = L->lo[i] + (uintptr_t)(d->numel * ampx_elem_size(d->dtype));
             continue;
         }
         L->nc[i] = 1;
         L->any_nc = 1;
         int overlap = 0;
-        if (strided_extent(st, t, elem_size[d->dtype], &L->lo[i], &L->hi[i], &overlap, &L->layout[i]) < 0)
+        if (strided_extent(st, t, ampx_elem_size(d->dtype), &L->lo[i], &L->hi[i], &overlap, &L->layout[i]) < 0)
             goto error;
         if (write && overlap) {
             PyErr_Format(PyExc_ValueError,
@@ -1665,7 +1666,7 @@ static int shim_agrees(mstate *st, PyObject *t)
     int code = dtype_code(st, "probe", "t", 0, t), contig = 0;
     int64_t numel = 0;
     char *ptr = NULL;
-    if (code < 0 || tensor_meta(st, "probe", "t", 0, t, elem_size[code], &numel, &contig) < 0)
+    if (code < 0 || tensor_meta(st, "probe", "t", 0, t, ampx_elem_size(code), &numel, &contig) < 0)
         return -1;
     if (numel > 0 && get_data_ptr(st, t, &ptr) < 0)
         return -1;
@@ -2000,6 +2001,11 @@ static int exec_module(PyObject *m)
         PyModule_AddIntConstant(m, "CUDA_BLOCK", (long)AMPX_CU_BLOCK) < 0 ||
         PyModule_AddIntConstant(m, "CUDA_MAX_TENSORS", (long)AMPX_CU_MAX_TENSORS) < 0)
         return -1;
+#define ADD_REDUCE(name, code)                                                                             \
+    if (PyModule_AddIntConstant(m, "REDUCE_" #name, AMPX_REDUCE_##name) < 0)                                  \
+        return -1;
+    AMPX_REDUCE_LIST(ADD_REDUCE)
+#undef ADD_REDUCE
     return 0;
 }
 
