@@ -69,7 +69,7 @@ AMPX_HD int64_t ampx_elem_size(int dt)
 #define AMPX_REDUCE_LIST(X) X(NONE, 0) X(SUMSQ, 1) X(SUMABS, 2) X(MAXABS, 3)
 
 #define AMPX_X_REDUCE(name, code) AMPX_REDUCE_##name = code,
-enum { AMPX_REDUCE_LIST(AMPX_X_REDUCE) };
+enum { AMPX_REDUCE_LIST(AMPX_X_REDUCE) AMPX_NUM_REDUCE };
 #undef AMPX_X_REDUCE
 
 /* ---- the scale kernel's modes ---------------------------------------------- */
@@ -82,7 +82,7 @@ enum { AMPX_REDUCE_LIST(AMPX_X_REDUCE) };
 #define AMPX_NUM_MODES 32
 
 #define AMPX_MODE_REDUCE(mode) (((mode) >> AMPX_M_REDUCE_SHIFT) & 3)
-AMPX_STATIC_ASSERT(AMPX_REDUCE_MAXABS <= 3, "reduce codes fit the mode's 2 bits");
+AMPX_STATIC_ASSERT(AMPX_NUM_REDUCE == 4 && AMPX_REDUCE_MAXABS == 3, "reduce codes fit the mode's 2 bits");
 
 /* The modes that have kernels, named once: X(name, mode, reduce, write, scale,
  * check, cuda). Any other mode is refused. `mode` is a literal because it

@@ -210,7 +210,7 @@ static int load_functions(ampx_cu_dev *d, ampx_cu_error *err)
     CU_TRY(api.ModuleGetFunction(&d->update, d->mod, "ampx_k_update_scale"),
            "cuModuleGetFunction(ampx_k_update_scale)");
     if (api.FuncLoad != NULL) {
-        for (int r = 0; r < 4; r++)
+        for (int r = 0; r < AMPX_NUM_REDUCE; r++)
             for (int w = 0; w < 2; w++)
                 for (int s = 0; s < 2; s++)
                     if (d->scale[r][w][s] != NULL)

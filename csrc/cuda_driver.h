@@ -60,7 +60,7 @@ typedef struct {
     ampx_cu_device dev;
     ampx_cu_context ctx; /* the device's primary context (retained for the process's life) */
     ampx_cu_module mod;
-    ampx_cu_function scale[4][2][2]; /* [reduce][write][scale]; NULL where no mode uses it */
+    ampx_cu_function scale[AMPX_NUM_REDUCE][2][2]; /* [reduce][write][scale]; NULL where no mode uses it */
     ampx_cu_function cast;
     ampx_cu_function update;
     int sm_count;

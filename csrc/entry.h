@@ -10,10 +10,11 @@
  * may raise (out of memory, a driver error, a failing copy back) but never
  * re-validates, and frees nothing it was handed: entry.c owns the lists.
  *
- * The GIL: the CPU runner releases it around the kernels of calls of at
- * least GIL_RELEASE_MIN elements; the CUDA runner around its batched
- * launches (the sequential path, which calls torch between launches, keeps
- * it). Nothing else runs without it.
+ * The GIL: the CPU runner releases it around each run of the launcher over
+ * GIL_RELEASE_MIN elements or more (the whole list, or one tensor on the
+ * sequential path); the CUDA runner around its batched launches (the
+ * sequential path, which calls torch between launches, keeps it). Nothing
+ * else runs without it.
  */
 #ifndef AMPX_ENTRY_H
 #define AMPX_ENTRY_H
