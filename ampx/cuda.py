@@ -108,9 +108,10 @@ def device_info(device=None):
 # ---- the CUDA path of ampx.ops (private) ----------------------------------------------------
 
 
-def _ready(op, device):
-    """The current stream of `device` and its workspace allocator; ValueError when ampx was built
-    without its CUDA kernels (driver problems surface as RuntimeError from the call itself)."""
+def _launch_args(op, device):
+    """The keywords of a _C call on CUDA device `device`: the device, its current stream and
+    its workspace allocator. ValueError when ampx was built without its CUDA kernels (driver
+    problems surface as RuntimeError from the call itself)."""
     if not _image_loaded and not _load_image():
         raise ValueError(f"{op}: the tensors are on cuda:{device}, but {_NOT_BUILT}")
     alloc = _allocators.get(device)
@@ -121,24 +122,4 @@ def _ready(op, device):
         stream = _raw_stream(device)
     else:  # pragma: no cover - CUDA tensors without torch's CUDA bindings
         stream = torch.cuda.current_stream(device).cuda_stream
-    return stream, alloc
-
-
-def _scale_reduce(op, tensors, mode, factor, found_inf, flags, per_tensor, out, device, refuse_fp16=False,
-                  factor_name="factor"):
-    stream, alloc = _ready(op, device)
-    _C.cuda_scale_reduce(op, tensors, mode, factor, found_inf, flags, per_tensor, out, device, stream, alloc,
-                         refuse_fp16, factor_name)
-
-
-def _cast(op, src, dst, inv_scale, found_inf, flags, stochastic, seed, offset, device):
-    stream, alloc = _ready(op, device)
-    _C.cuda_cast(op, src, dst, inv_scale, found_inf, flags, stochastic, seed, offset, device, stream, alloc)
-
-
-def _update_scale(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
-                  growth_interval, hysteresis, consecutive_hysteresis, min_scale, max_scale, events, device):
-    stream, _ = _ready("ampx.ops.update_scale_", device)
-    _C.cuda_update_scale(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
-                         growth_interval, hysteresis, consecutive_hysteresis, min_scale, max_scale, events, device,
-                         stream)
+    return {"device": device, "stream": stream, "alloc": alloc}

@@ -64,7 +64,7 @@ __all__ = [
 FLAG_INF = _C.FLAG_INF
 FLAG_NAN = _C.FLAG_NAN
 
-_REDUCE = {2.0: 1, 1.0: 2, math.inf: 3}
+_REDUCE = {2.0: _C.REDUCE_SUMSQ, 1.0: _C.REDUCE_SUMABS, math.inf: _C.REDUCE_MAXABS}
 _SCALE, _WRITE, _CHECK, _SHIFT = _C.MODE_SCALE, _C.MODE_WRITE, _C.MODE_CHECK, _C.MODE_REDUCE_SHIFT
 
 _env_threads = os.environ.get("AMPX_NUM_THREADS")
@@ -129,6 +129,14 @@ def _threads():
     return _FIXED_THREADS if _FIXED_THREADS is not None else torch.get_num_threads()
 
 
+def _on(op, device):
+    """Where a _C call runs, as its keywords: the CPU (device -1) with its thread count, or a
+    CUDA device with its current stream and workspace allocator (``ampx.cuda``)."""
+    if device < 0:
+        return {"nthreads": _threads()}
+    return _cuda._launch_args(op, device)
+
+
 def _as_list(tensors, name):
     if isinstance(tensors, torch.Tensor):
         return [tensors]
@@ -187,13 +195,9 @@ def unscale_(tensors, inv_scale, found_inf, *, flags=None):
             share memory (an expanded or overlapping strided view).
     """
     tensors = _as_list(tensors, "tensors")
-    dev = _cuda_device(tensors)
-    if dev >= 0:
-        _cuda._scale_reduce("ampx.ops.unscale_", tensors, _SCALE | _WRITE | _CHECK, inv_scale, found_inf, flags,
-                            None, None, dev, False, "inv_scale")
-        return
-    _C.scale_reduce("ampx.ops.unscale_", tensors, _SCALE | _WRITE | _CHECK, inv_scale, found_inf, flags,
-                    None, None, _threads(), False, "inv_scale")
+    op = "ampx.ops.unscale_"
+    _C.scale_reduce(op, tensors, _SCALE | _WRITE | _CHECK, factor=inv_scale, factor_name="inv_scale",
+                    found_inf=found_inf, flags=flags, **_on(op, _cuda_device(tensors)))
 
 
 def check_finite(tensors, found_inf, *, flags=None):
@@ -204,11 +208,8 @@ def check_finite(tensors, found_inf, *, flags=None):
     Arguments and errors as for ``unscale_``.
     """
     tensors = _as_list(tensors, "tensors")
-    dev = _cuda_device(tensors)
-    if dev >= 0:
-        _cuda._scale_reduce("ampx.ops.check_finite", tensors, _CHECK, None, found_inf, flags, None, None, dev)
-        return
-    _C.scale_reduce("ampx.ops.check_finite", tensors, _CHECK, None, found_inf, flags, None, None, _threads())
+    op = "ampx.ops.check_finite"
+    _C.scale_reduce(op, tensors, _CHECK, found_inf=found_inf, flags=flags, **_on(op, _cuda_device(tensors)))
 
 
 def norm(tensors, ord=2.0, *, factor=None, found_inf=None, flags=None, per_tensor=False):
@@ -234,14 +235,13 @@ def norm(tensors, ord=2.0, *, factor=None, found_inf=None, flags=None, per_tenso
         TypeError, ValueError: as ``unscale_``, and ValueError for another ``ord``.
     """
     tensors = _as_list(tensors, "tensors")
-    r = _reduce_code("ampx.ops.norm", ord)
+    op = "ampx.ops.norm"
+    r = _reduce_code(op, ord)
     mode = _CHECK | (r << _SHIFT) | (_SCALE if factor is not None else 0)
     dev = _cuda_device(tensors)
     total, per = _outputs(tensors, per_tensor, dev)
-    if dev >= 0:
-        _cuda._scale_reduce("ampx.ops.norm", tensors, mode, factor, found_inf, flags, per, total, dev)
-    else:
-        _C.scale_reduce("ampx.ops.norm", tensors, mode, factor, found_inf, flags, per, total, _threads())
+    _C.scale_reduce(op, tensors, mode, factor=factor, found_inf=found_inf, flags=flags, per_tensor=per, out=total,
+                    **_on(op, dev))
     return (total, per) if per_tensor else total
 
 
@@ -255,15 +255,12 @@ def unscale_norm_(tensors, inv_scale, found_inf, *, ord=2.0, flags=None, per_ten
     Arguments and errors as for ``unscale_`` and ``norm``.
     """
     tensors = _as_list(tensors, "tensors")
-    r = _reduce_code("ampx.ops.unscale_norm_", ord)
+    op = "ampx.ops.unscale_norm_"
+    r = _reduce_code(op, ord)
     dev = _cuda_device(tensors)
     total, per = _outputs(tensors, per_tensor, dev)
-    if dev >= 0:
-        _cuda._scale_reduce("ampx.ops.unscale_norm_", tensors, _SCALE | _WRITE | _CHECK | (r << _SHIFT), inv_scale,
-                            found_inf, flags, per, total, dev, False, "inv_scale")
-    else:
-        _C.scale_reduce("ampx.ops.unscale_norm_", tensors, _SCALE | _WRITE | _CHECK | (r << _SHIFT), inv_scale,
-                        found_inf, flags, per, total, _threads(), False, "inv_scale")
+    _C.scale_reduce(op, tensors, _SCALE | _WRITE | _CHECK | (r << _SHIFT), factor=inv_scale, factor_name="inv_scale",
+                    found_inf=found_inf, flags=flags, per_tensor=per, out=total, **_on(op, dev))
     return (total, per) if per_tensor else total
 
 
@@ -275,11 +272,8 @@ def mul_(tensors, factor):
     to the tensor's dtype. Errors as for ``unscale_``.
     """
     tensors = _as_list(tensors, "tensors")
-    dev = _cuda_device(tensors)
-    if dev >= 0:
-        _cuda._scale_reduce("ampx.ops.mul_", tensors, _SCALE | _WRITE, factor, None, None, None, None, dev)
-        return
-    _C.scale_reduce("ampx.ops.mul_", tensors, _SCALE | _WRITE, factor, None, None, None, None, _threads())
+    op = "ampx.ops.mul_"
+    _C.scale_reduce(op, tensors, _SCALE | _WRITE, factor=factor, **_on(op, _cuda_device(tensors)))
 
 
 _U64 = 1 << 64
@@ -321,13 +315,10 @@ def cast_(src, dst, *, inv_scale=None, found_inf=None, flags=None, rounding="nea
     for name, v in (("seed", seed), ("offset", offset)):
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < _U64:
             raise ValueError(f"ampx.ops.cast_: {name} must be an integer in [0, 2**64), not {v!r}")
+    op = "ampx.ops.cast_"
     dev = _cuda_device(src) if len(src) else _cuda_device(dst)
-    if dev >= 0:
-        _cuda._cast("ampx.ops.cast_", src, dst, inv_scale, found_inf, flags, rounding == "stochastic", seed, offset,
-                    dev)
-        return
-    _C.cast("ampx.ops.cast_", src, dst, inv_scale, found_inf, flags, rounding == "stochastic", seed, offset,
-            _threads())
+    _C.cast(op, src, dst, inv_scale=inv_scale, found_inf=found_inf, flags=flags, stochastic=rounding == "stochastic",
+            seed=seed, offset=offset, **_on(op, dev))
 
 
 def _update_scale_events(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval,
@@ -338,16 +329,13 @@ def _update_scale_events(scale, growth_tracker, found_inf, growth_factor, backof
         raise ValueError(f"ampx.ops.update_scale_: hysteresis must be >= 1, not {hysteresis}")
     if hysteresis > 1 and hysteresis_tracker is None:
         raise ValueError("ampx.ops.update_scale_: hysteresis > 1 needs a hysteresis_tracker (int32, 1 element)")
-    if isinstance(scale, torch.Tensor) and scale.is_cuda:
-        dev = scale.get_device()
-        events = torch.empty((), dtype=torch.int32, device=scale.device)
-        _cuda._update_scale(scale, growth_tracker, hysteresis_tracker, found_inf, float(growth_factor),
-                            float(backoff_factor), int(growth_interval), int(hysteresis),
-                            bool(consecutive_hysteresis), float(min_scale), float(max_scale), events, dev)
-        return events
-    return _C.update_scale(scale, growth_tracker, hysteresis_tracker, found_inf, float(growth_factor),
-                           float(backoff_factor), int(growth_interval), int(hysteresis),
-                           bool(consecutive_hysteresis), float(min_scale), float(max_scale))
+    dev = scale.get_device() if isinstance(scale, torch.Tensor) and scale.is_cuda else -1
+    events = torch.empty((), dtype=torch.int32, device=scale.device) if dev >= 0 else None
+    ev = _C.update_scale(scale, growth_tracker, found_inf, float(growth_factor), float(backoff_factor),
+                         int(growth_interval), hysteresis_tracker=hysteresis_tracker, hysteresis=int(hysteresis),
+                         consecutive=bool(consecutive_hysteresis), min_scale=float(min_scale),
+                         max_scale=float(max_scale), events=events, **_on("ampx.ops.update_scale_", dev))
+    return events if dev >= 0 else ev
 
 
 def update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval, *,
@@ -392,15 +380,11 @@ def _scaler_pass(tensors, mode_reduce, factor, found_inf, flags, write, refuse_f
         mode |= _SCALE | _WRITE
     elif mode_reduce and factor is not None:
         mode |= _SCALE
+    op = "ampx.GradScaler"
     dev = _cuda_device(tensors)
-    if dev >= 0:
-        total = torch.empty((), dtype=torch.float32, device=torch.device("cuda", dev)) if mode_reduce else None
-        _cuda._scale_reduce("ampx.GradScaler", tensors, mode, factor, found_inf, flags, None, total, dev,
-                            refuse_fp16)
-        return total
-    total = torch.zeros((), dtype=torch.float32) if mode_reduce else None
-    _C.scale_reduce("ampx.GradScaler", tensors, mode, factor, found_inf, flags, None, total, _threads(),
-                    refuse_fp16)
+    total = _outputs(tensors, False, dev)[0] if mode_reduce else None
+    _C.scale_reduce(op, tensors, mode, factor=factor, found_inf=found_inf, flags=flags, out=total,
+                    refuse_fp16=refuse_fp16, **_on(op, dev))
     return total
 
 

@@ -18,7 +18,7 @@ from .telemetry import OverflowReport, TelemetryMixin, _LazySkip
 
 __all__ = ["GradScaler", "ShardedGradScaler", "OverflowReport"]
 
-_ORD = {2.0: 1, 1.0: 2, math.inf: 3}
+_ORD = {2.0: _C.REDUCE_SUMSQ, 1.0: _C.REDUCE_SUMABS, math.inf: _C.REDUCE_MAXABS}
 _MIN_SCALE_ACTIONS = ("warn", "raise", "ignore")
 
 
@@ -138,7 +138,7 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
             out.append(g)
         return out
 
-    def _grad_pass(self, optimizer, inv_scale, found_inf, allow_fp16, write, reduce=0, need_found=True):
+    def _grad_pass(self, optimizer, inv_scale, found_inf, allow_fp16, write, reduce=_C.REDUCE_NONE, need_found=True):
         """One kernel call over the optimizer's gradients; returns ({device: found_inf}, total).
 
         write: unscale in place by inv_scale; otherwise read only (norm of grads * inv_scale).

@@ -9,8 +9,10 @@ import math
 
 import torch
 
-# Reduce codes of the kernels' norm (ampx.ops): which quantity a pass returns.
-_L2, _L1, _INF = 1, 2, 3
+from . import _C
+
+# Reduce codes of the kernels' norm (named once, in csrc/ampx_numerics.h).
+_L2, _L1, _INF = _C.REDUCE_SUMSQ, _C.REDUCE_SUMABS, _C.REDUCE_MAXABS
 
 
 def agree(found_inf, total, reduce, group):

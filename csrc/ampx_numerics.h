@@ -3,7 +3,9 @@
  *
  * Written once and included by the C compiler (csrc/) and by nvcc (cuda/), so
  * that the CPU test suite pins down what both devices compute:
- *   - dtype codes and per-tensor flag bits,
+ *   - the lists named once: dtype codes and sizes, reduce codes, the scale
+ *     kernel's modes (X-macros, numbering pinned by static asserts),
+ *   - per-tensor flag bits,
  *   - float32 <-> float16 / bfloat16 conversions (round to nearest even),
  *   - float32 -> bfloat16 stochastic rounding and its counter-based random bits,
  *   - the loss-scale update rule (torch's, plus hysteresis and bounds).
@@ -24,26 +26,101 @@
 #include <string.h>
 #endif
 
-/* dtype codes: the Python layer maps torch dtypes onto these. */
-enum {
-    AMPX_F32 = 0,
-    AMPX_F16 = 1,
-    AMPX_BF16 = 2,
-    AMPX_F64 = 3,
-    AMPX_NUM_DTYPES = 4
-};
+#ifdef __cplusplus
+#define AMPX_STATIC_ASSERT(c, msg) static_assert(c, msg)
+#else
+#define AMPX_STATIC_ASSERT(c, msg) _Static_assert(c, msg)
+#endif
+
+/* The dtypes, named once: X(code name, torch name, element size in bytes).
+ * The codes number them in this order; ampx/__init__.py hands torch's dtypes
+ * to _C._init in the same order, and the kernel tables are indexed by them. */
+#define AMPX_DTYPE_LIST(X) X(F32, float32, 4) X(F16, float16, 2) X(BF16, bfloat16, 2) X(F64, float64, 8)
+
+#define AMPX_X_DTYPE_CODE(code, torch_name, size) AMPX_##code,
+#define AMPX_X_DTYPE_SIZE(code, torch_name, size) AMPX_SIZE_##code = size,
+enum { AMPX_DTYPE_LIST(AMPX_X_DTYPE_CODE) AMPX_NUM_DTYPES };
+enum { AMPX_DTYPE_LIST(AMPX_X_DTYPE_SIZE) };
+#undef AMPX_X_DTYPE_CODE
+#undef AMPX_X_DTYPE_SIZE
+AMPX_STATIC_ASSERT(AMPX_F32 == 0 && AMPX_F16 == 1 && AMPX_BF16 == 2 && AMPX_F64 == 3 && AMPX_NUM_DTYPES == 4,
+                   "dtype codes: the order of _C._init's arguments and of torch_shim.c's table");
+
+/* Bytes per element of dtype code dt (0 for an unknown code). */
+AMPX_HD int64_t ampx_elem_size(int dt)
+{
+    switch (dt) {
+#define AMPX_X_DTYPE_CASE(code, torch_name, size)                                                  \
+    case AMPX_##code:                                                                              \
+        return size;
+        AMPX_DTYPE_LIST(AMPX_X_DTYPE_CASE)
+#undef AMPX_X_DTYPE_CASE
+    }
+    return 0;
+}
 
 /* Per-tensor flag bits written by the checking kernels. */
 #define AMPX_FLAG_INF 1u /* held +inf or -inf */
 #define AMPX_FLAG_NAN 2u /* held a NaN */
 
-/* Reductions the norm kernels compute. */
-enum {
-    AMPX_REDUCE_NONE = 0,
-    AMPX_REDUCE_SUMSQ = 1, /* L2: sum of squares, sqrt taken at the end */
-    AMPX_REDUCE_SUMABS = 2, /* L1 */
-    AMPX_REDUCE_MAXABS = 3 /* L-infinity */
-};
+/* The reductions the norm kernels compute, named once: X(name, code).
+ * NONE: none; SUMSQ: L2 (sum of squares, sqrt taken at the end); SUMABS: L1;
+ * MAXABS: L-infinity. _C exports them as REDUCE_<name> for ampx/ops.py. */
+#define AMPX_REDUCE_LIST(X) X(NONE, 0) X(SUMSQ, 1) X(SUMABS, 2) X(MAXABS, 3)
+
+#define AMPX_X_REDUCE(name, code) AMPX_REDUCE_##name = code,
+enum { AMPX_REDUCE_LIST(AMPX_X_REDUCE) AMPX_NUM_REDUCE };
+#undef AMPX_X_REDUCE
+
+/* ---- the scale kernel's modes ---------------------------------------------- */
+
+/* Mode bits of the scale-and-reduce kernel. */
+#define AMPX_M_SCALE 1 /* multiply by the factor */
+#define AMPX_M_WRITE 2 /* store the result back in place */
+#define AMPX_M_CHECK 4 /* classify non-finite inputs into flags */
+#define AMPX_M_REDUCE_SHIFT 3 /* then 2 bits holding an AMPX_REDUCE_* code */
+#define AMPX_NUM_MODES 32
+
+#define AMPX_MODE_REDUCE(mode) (((mode) >> AMPX_M_REDUCE_SHIFT) & 3)
+AMPX_STATIC_ASSERT(AMPX_NUM_REDUCE == 4 && AMPX_REDUCE_MAXABS == 3, "reduce codes fit the mode's 2 bits");
+
+/* The modes that have kernels, named once: X(name, mode, reduce, write, scale,
+ * check, cuda). Any other mode is refused. `mode` is a literal because it
+ * becomes part of the CPU kernels' names (cpu_kernels_body.h); reduce, write
+ * and scale because they name the CUDA kernel (ampx_k_scale_r<reduce>_w<write>_s<scale>,
+ * cuda/ampx_kernels.cu). The CUDA kernels leave the check to the host (it
+ * passes no found_inf and flags without it), so MUL shares UNSCALE's kernel:
+ * `cuda` is 1 on the one row that defines each CUDA kernel. */
+#define AMPX_SCALE_MODE_LIST(X)                                                                    \
+    X(MUL, 3, 0, 1, 1, 0, 0)                                                                       \
+    X(CHECK, 4, 0, 0, 0, 1, 1)                                                                     \
+    X(UNSCALE, 7, 0, 1, 1, 1, 1)                                                                   \
+    X(UNSCALE_NORM_L2, 15, 1, 1, 1, 1, 1)                                                          \
+    X(UNSCALE_NORM_L1, 23, 2, 1, 1, 1, 1)                                                          \
+    X(UNSCALE_NORM_LINF, 31, 3, 1, 1, 1, 1)                                                        \
+    X(NORM_L2, 12, 1, 0, 0, 1, 1)                                                                  \
+    X(NORM_L1, 20, 2, 0, 0, 1, 1)                                                                  \
+    X(NORM_LINF, 28, 3, 0, 0, 1, 1)                                                                \
+    X(NORM_SCALED_L2, 13, 1, 0, 1, 1, 1)                                                           \
+    X(NORM_SCALED_L1, 21, 2, 0, 1, 1, 1)                                                           \
+    X(NORM_SCALED_LINF, 29, 3, 0, 1, 1, 1)
+
+#define AMPX_X_MODE_ENUM(name, mode, rd, wr, sc, ck, cuda) AMPX_MODE_##name = mode,
+enum { AMPX_SCALE_MODE_LIST(AMPX_X_MODE_ENUM) };
+#undef AMPX_X_MODE_ENUM
+/* Each row's number is its bits: the literals cannot drift from the names. */
+#define AMPX_X_MODE_PIN(name, mode, rd, wr, sc, ck, cuda)                                          \
+    AMPX_STATIC_ASSERT(mode == ((sc) * AMPX_M_SCALE | (wr) * AMPX_M_WRITE | (ck) * AMPX_M_CHECK |  \
+                                (rd) << AMPX_M_REDUCE_SHIFT) && mode < AMPX_NUM_MODES,             \
+                       "mode " #name ": its number is not its bits");
+AMPX_SCALE_MODE_LIST(AMPX_X_MODE_PIN)
+#undef AMPX_X_MODE_PIN
+
+/* Expands to its arguments when c is 1, to nothing when c is 0 (for the
+ * `cuda` column, and any other 0/1 literal of a list). */
+#define AMPX_IF(c, ...) AMPX_IF_##c(__VA_ARGS__)
+#define AMPX_IF_0(...)
+#define AMPX_IF_1(...) __VA_ARGS__
 
 /* ---- bit casts ---------------------------------------------------------- */
 

@@ -14,22 +14,8 @@
 
 #include "ampx_numerics.h"
 
-/* Mode bits of the scale-and-reduce kernel. */
-#define AMPX_M_SCALE 1 /* multiply by the factor */
-#define AMPX_M_WRITE 2 /* store the result back in place */
-#define AMPX_M_CHECK 4 /* classify non-finite inputs into flags */
-#define AMPX_M_REDUCE_SHIFT 3 /* then 2 bits holding an AMPX_REDUCE_* value */
-#define AMPX_NUM_MODES 32
-
-#define AMPX_MODE_REDUCE(mode) (((mode) >> AMPX_M_REDUCE_SHIFT) & 3)
-
-/* The modes that have kernels; any other is rejected by the launcher. */
-#define AMPX_MODE_MUL (AMPX_M_SCALE | AMPX_M_WRITE)
-#define AMPX_MODE_UNSCALE (AMPX_M_SCALE | AMPX_M_WRITE | AMPX_M_CHECK)
-#define AMPX_MODE_CHECK AMPX_M_CHECK
-#define AMPX_MODE_NORM(r) (AMPX_M_CHECK | ((r) << AMPX_M_REDUCE_SHIFT))
-#define AMPX_MODE_NORM_SCALED(r) (AMPX_M_SCALE | AMPX_M_CHECK | ((r) << AMPX_M_REDUCE_SHIFT))
-#define AMPX_MODE_UNSCALE_NORM(r) (AMPX_MODE_UNSCALE | ((r) << AMPX_M_REDUCE_SHIFT))
+/* The scale kernel's modes (AMPX_M_* bits, AMPX_SCALE_MODE_LIST) are in
+ * ampx_numerics.h, shared with the CUDA kernels. */
 
 /* What one chunk contributes: its reduction (in double) and its flags. For
  * MAXABS a chunk whose reduced values (the products) hold a NaN reports NaN. */

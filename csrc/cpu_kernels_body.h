@@ -271,20 +271,7 @@ AMPX_INLINE unsigned cast_body_f64(int sdt, int ddt, int sr, const void *src, vo
 
 /* ---- specialisations and the table --------------------------------------- */
 
-/* The modes that get kernels, as literals (they become parts of function
- * names); each one is tied to its named composition here. */
-_Static_assert(AMPX_MODE_MUL == 3 && AMPX_MODE_CHECK == 4 && AMPX_MODE_UNSCALE == 7, "mode numbers");
-_Static_assert(AMPX_MODE_UNSCALE_NORM(1) == 15 && AMPX_MODE_UNSCALE_NORM(2) == 23 &&
-                   AMPX_MODE_UNSCALE_NORM(3) == 31, "mode numbers");
-_Static_assert(AMPX_MODE_NORM(1) == 12 && AMPX_MODE_NORM(2) == 20 && AMPX_MODE_NORM(3) == 28, "mode numbers");
-_Static_assert(AMPX_MODE_NORM_SCALED(1) == 13 && AMPX_MODE_NORM_SCALED(2) == 21 &&
-                   AMPX_MODE_NORM_SCALED(3) == 29, "mode numbers");
-
-#define AMPX_SCALE_MODES(X, name, dt)                                                            \
-    X(name, dt, 3) X(name, dt, 4) X(name, dt, 7) X(name, dt, 15) X(name, dt, 23) X(name, dt, 31)               \
-        X(name, dt, 12) X(name, dt, 20) X(name, dt, 28) X(name, dt, 13) X(name, dt, 21)          \
-            X(name, dt, 29)
-
+/* One kernel per dtype for each mode of AMPX_SCALE_MODE_LIST (ampx_numerics.h). */
 #define AMPX_DEF_SCALE(name, dt, m)                                                              \
     static void scale_##name##_##m(void *p, int64_t n, double f, ampx_partial *o)                \
     {                                                                                            \
@@ -295,12 +282,14 @@ _Static_assert(AMPX_MODE_NORM_SCALED(1) == 13 && AMPX_MODE_NORM_SCALED(2) == 21 
     {                                                                                            \
         scale_body_f64(m, p, n, f, o);                                                           \
     }
-#define AMPX_SLOT_SCALE(name, dt, m) [dt][m] = scale_##name##_##m,
+#define AMPX_DEF_SCALE_MODE(label, m, rd, wr, sc, ck, cuda)                                      \
+    AMPX_DEF_SCALE(f32, AMPX_F32, m)                                                             \
+    AMPX_DEF_SCALE(f16, AMPX_F16, m) AMPX_DEF_SCALE(bf16, AMPX_BF16, m) AMPX_DEF_SCALE64(f64, AMPX_F64, m)
+#define AMPX_SLOT_SCALE_MODE(label, m, rd, wr, sc, ck, cuda)                                     \
+    [AMPX_F32][m] = scale_f32_##m, [AMPX_F16][m] = scale_f16_##m, [AMPX_BF16][m] = scale_bf16_##m, \
+    [AMPX_F64][m] = scale_f64_##m,
 
-AMPX_SCALE_MODES(AMPX_DEF_SCALE, f32, AMPX_F32)
-AMPX_SCALE_MODES(AMPX_DEF_SCALE, f16, AMPX_F16)
-AMPX_SCALE_MODES(AMPX_DEF_SCALE, bf16, AMPX_BF16)
-AMPX_SCALE_MODES(AMPX_DEF_SCALE64, f64, AMPX_F64)
+AMPX_SCALE_MODE_LIST(AMPX_DEF_SCALE_MODE)
 
 #define AMPX_DEF_CAST(sn, sdt, dn, ddt, sr, body)                                                \
     static unsigned cast_##sn##_##dn##_##sr(const void *s, void *d, int64_t n, double f,         \
@@ -323,10 +312,7 @@ AMPX_CAST_ROW(AMPX_DEF_CAST, f64, AMPX_F64, cast_body_f64)
 
 const ampx_cpu_kernels AMPX_TABLE_NAME = {
     .name = AMPX_TABLE_LABEL,
-    .scale = {AMPX_SCALE_MODES(AMPX_SLOT_SCALE, f32, AMPX_F32)
-                  AMPX_SCALE_MODES(AMPX_SLOT_SCALE, f16, AMPX_F16)
-                      AMPX_SCALE_MODES(AMPX_SLOT_SCALE, bf16, AMPX_BF16)
-                          AMPX_SCALE_MODES(AMPX_SLOT_SCALE, f64, AMPX_F64)},
+    .scale = {AMPX_SCALE_MODE_LIST(AMPX_SLOT_SCALE_MODE)},
     .cast = {AMPX_CAST_ROW(AMPX_SLOT_CAST, f32, AMPX_F32, cast_body)
                  AMPX_CAST_ROW(AMPX_SLOT_CAST, f16, AMPX_F16, cast_body)
                      AMPX_CAST_ROW(AMPX_SLOT_CAST, bf16, AMPX_BF16, cast_body)

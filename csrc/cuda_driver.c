@@ -194,12 +194,10 @@ static int load_functions(ampx_cu_dev *d, ampx_cu_error *err)
         int rd, wr, sc;
         const char *name;
     } scale_fns[] = {
-        {0, 1, 1, "ampx_k_scale_r0_w1_s1"}, {0, 0, 0, "ampx_k_scale_r0_w0_s0"},
-        {1, 0, 0, "ampx_k_scale_r1_w0_s0"}, {2, 0, 0, "ampx_k_scale_r2_w0_s0"},
-        {3, 0, 0, "ampx_k_scale_r3_w0_s0"}, {1, 0, 1, "ampx_k_scale_r1_w0_s1"},
-        {2, 0, 1, "ampx_k_scale_r2_w0_s1"}, {3, 0, 1, "ampx_k_scale_r3_w0_s1"},
-        {1, 1, 1, "ampx_k_scale_r1_w1_s1"}, {2, 1, 1, "ampx_k_scale_r2_w1_s1"},
-        {3, 1, 1, "ampx_k_scale_r3_w1_s1"},
+#define AMPX_X_SCALE_FN(label, mode, rd, wr, sc, ck, cuda)                                                    \
+    AMPX_IF(cuda, {rd, wr, sc, AMPX_CU_STR(AMPX_CU_SCALE_KERNEL_NAME(rd, wr, sc))}, )
+        AMPX_SCALE_MODE_LIST(AMPX_X_SCALE_FN)
+#undef AMPX_X_SCALE_FN
     };
     char what[96];
     for (size_t k = 0; k < sizeof scale_fns / sizeof scale_fns[0]; k++) {
@@ -212,7 +210,7 @@ static int load_functions(ampx_cu_dev *d, ampx_cu_error *err)
     CU_TRY(api.ModuleGetFunction(&d->update, d->mod, "ampx_k_update_scale"),
            "cuModuleGetFunction(ampx_k_update_scale)");
     if (api.FuncLoad != NULL) {
-        for (int r = 0; r < 4; r++)
+        for (int r = 0; r < AMPX_NUM_REDUCE; r++)
             for (int w = 0; w < 2; w++)
                 for (int s = 0; s < 2; s++)
                     if (d->scale[r][w][s] != NULL)

@@ -16,6 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "ampx_numerics.h"
 #include "cuda_args.h"
 
 #ifdef __cplusplus
@@ -46,6 +47,12 @@ typedef struct {
     char msg[400];
 } ampx_cu_error;
 
+/* The scale kernels' names in the fatbin: one for each row of
+ * AMPX_SCALE_MODE_LIST (ampx_numerics.h) whose `cuda` column is 1. */
+#define AMPX_CU_SCALE_KERNEL_NAME(rd, wr, sc) ampx_k_scale_r##rd##_w##wr##_s##sc
+#define AMPX_CU_STR_(x) #x
+#define AMPX_CU_STR(x) AMPX_CU_STR_(x)
+
 /* The kernels of one device, loaded from the fatbin into its primary context. */
 typedef struct {
     int loaded;
@@ -53,7 +60,7 @@ typedef struct {
     ampx_cu_device dev;
     ampx_cu_context ctx; /* the device's primary context (retained for the process's life) */
     ampx_cu_module mod;
-    ampx_cu_function scale[4][2][2]; /* [reduce][write][scale]; NULL where no mode uses it */
+    ampx_cu_function scale[AMPX_NUM_REDUCE][2][2]; /* [reduce][write][scale]; NULL where no mode uses it */
     ampx_cu_function cast;
     ampx_cu_function update;
     int sm_count;

@@ -54,7 +54,7 @@ static ampx_cu_function pick(const ampx_cu_dev *dev, const ampx_cu_job *job)
 {
     if (job->kind == AMPX_CU_CAST)
         return dev->cast;
-    if (job->reduce < 0 || job->reduce > 3)
+    if (job->reduce < 0 || job->reduce >= AMPX_NUM_REDUCE)
         return NULL;
     return dev->scale[job->reduce][job->write ? 1 : 0][job->scale ? 1 : 0];
 }

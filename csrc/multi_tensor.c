@@ -25,7 +25,6 @@ typedef struct {
     const ampx_cpu_kernels *k;
 } plan_t;
 
-static const int64_t elem_size[AMPX_NUM_DTYPES] = {4, 2, 2, 8};
 
 void ampx_partial_combine(ampx_partial *a, const ampx_partial *b, int reduce)
 {
@@ -46,7 +45,7 @@ static void run_chunk(const plan_t *p, int64_t c)
     const ampx_tensor *t = &p->ts[ch->tensor];
     ampx_partial *r = &p->results[c];
     if (!p->job->cast) {
-        p->scale[t->dtype](t->ptr + ch->start * elem_size[t->dtype], ch->len, p->job->factor, r);
+        p->scale[t->dtype](t->ptr + ch->start * ampx_elem_size(t->dtype), ch->len, p->job->factor, r);
         return;
     }
     ampx_sr_key_t key = {0u, 0u};
@@ -55,7 +54,7 @@ static void run_chunk(const plan_t *p, int64_t c)
         key = ampx_sr_key(p->job->seed, p->job->offset, t->index, (uint32_t)(ch->start >> 32));
     ampx_cast_fn fn = p->k->cast[t->src_dtype][t->dtype][sr];
     r->acc = 0.0;
-    r->flags = fn(t->src + ch->start * elem_size[t->src_dtype], t->ptr + ch->start * elem_size[t->dtype],
+    r->flags = fn(t->src + ch->start * ampx_elem_size(t->src_dtype), t->ptr + ch->start * ampx_elem_size(t->dtype),
                   ch->len, p->job->factor, key, (uint32_t)ch->start);
 }
 

@@ -60,10 +60,10 @@ static_assert(AMPX_CU_BLOCK % 32 == 0 && AMPX_CU_BLOCK <= 1024, "block size");
 /* ---- element types -------------------------------------------------------- */
 
 template <int DT> struct dt_info;
-template <> struct dt_info<AMPX_F32> { static constexpr int size = 4; typedef float compute; };
-template <> struct dt_info<AMPX_F16> { static constexpr int size = 2; typedef float compute; };
-template <> struct dt_info<AMPX_BF16> { static constexpr int size = 2; typedef float compute; };
-template <> struct dt_info<AMPX_F64> { static constexpr int size = 8; typedef double compute; };
+template <> struct dt_info<AMPX_F32> { static constexpr int size = AMPX_SIZE_F32; typedef float compute; };
+template <> struct dt_info<AMPX_F16> { static constexpr int size = AMPX_SIZE_F16; typedef float compute; };
+template <> struct dt_info<AMPX_BF16> { static constexpr int size = AMPX_SIZE_BF16; typedef float compute; };
+template <> struct dt_info<AMPX_F64> { static constexpr int size = AMPX_SIZE_F64; typedef double compute; };
 
 /* NB 16-byte words from 16-byte-aligned p, into registers. */
 template <int NB>
@@ -498,13 +498,13 @@ struct scale_body : with_factor {
         char *base = reinterpret_cast<char *>(a.ptr[slot]);
         switch (dt) {
         case AMPX_F32:
-            return scale_chunk<AMPX_F32, RD, WR, SC>(base + start * 4, len, fs, fd);
+            return scale_chunk<AMPX_F32, RD, WR, SC>(base + start * AMPX_SIZE_F32, len, fs, fd);
         case AMPX_F16:
-            return scale_chunk<AMPX_F16, RD, WR, SC>(base + start * 2, len, fs, fd);
+            return scale_chunk<AMPX_F16, RD, WR, SC>(base + start * AMPX_SIZE_F16, len, fs, fd);
         case AMPX_BF16:
-            return scale_chunk<AMPX_BF16, RD, WR, SC>(base + start * 2, len, fs, fd);
+            return scale_chunk<AMPX_BF16, RD, WR, SC>(base + start * AMPX_SIZE_BF16, len, fs, fd);
         default:
-            return scale_chunk<AMPX_F64, RD, WR, SC>(base + start * 8, len, fs, fd);
+            return scale_chunk<AMPX_F64, RD, WR, SC>(base + start * AMPX_SIZE_F64, len, fs, fd);
         }
     }
 };
@@ -518,27 +518,15 @@ __device__ __forceinline__ void scale_kernel(const ampx_cu_args &a)
     run_chunks(a, RD, body);
 }
 
-#define AMPX_SCALE_KERNEL(rd, wr, sc)                                                                      \
-    extern "C" __global__ void __launch_bounds__(BLOCK)                                                    \
-        ampx_k_scale_r##rd##_w##wr##_s##sc(const __grid_constant__ ampx_cu_args a)                         \
-    {                                                                                                      \
-        scale_kernel<rd, (bool)wr, (bool)sc>(a);                                                           \
-    }
+/* One kernel per row of AMPX_SCALE_MODE_LIST (ampx_numerics.h) whose `cuda`
+ * column is 1: mul_/unscale_ (r0 w1 s1), check_finite (r0 w0 s0), norm (rN w0 s0),
+ * norm with a factor (rN w0 s1), unscale_norm_ (rN w1 s1). */
+#define AMPX_SCALE_KERNEL(label, mode, rd, wr, sc, ck, cuda)                                                \
+    AMPX_IF(cuda, extern "C" __global__ void __launch_bounds__(BLOCK)                                       \
+                      AMPX_CU_SCALE_KERNEL_NAME(rd, wr, sc)(const __grid_constant__ ampx_cu_args a)         \
+                  { scale_kernel<rd, (bool)wr, (bool)sc>(a); })
 
-/* The modes of csrc/cpu_kernels.h that have kernels: mul_/unscale_ (r0 w1 s1),
- * check_finite (r0 w0 s0), norm (rN w0 s0), norm with a factor (rN w0 s1),
- * unscale_norm_ (rN w1 s1). */
-AMPX_SCALE_KERNEL(0, 1, 1)
-AMPX_SCALE_KERNEL(0, 0, 0)
-AMPX_SCALE_KERNEL(1, 0, 0)
-AMPX_SCALE_KERNEL(2, 0, 0)
-AMPX_SCALE_KERNEL(3, 0, 0)
-AMPX_SCALE_KERNEL(1, 0, 1)
-AMPX_SCALE_KERNEL(2, 0, 1)
-AMPX_SCALE_KERNEL(3, 0, 1)
-AMPX_SCALE_KERNEL(1, 1, 1)
-AMPX_SCALE_KERNEL(2, 1, 1)
-AMPX_SCALE_KERNEL(3, 1, 1)
+AMPX_SCALE_MODE_LIST(AMPX_SCALE_KERNEL)
 
 /* ---- casts ------------------------------------------------------------------ */
 

@@ -29,17 +29,10 @@
 #include "emulate.h"
 
 extern "C" {
-void ampx_k_scale_r0_w1_s1(const ampx_cu_args a);
-void ampx_k_scale_r0_w0_s0(const ampx_cu_args a);
-void ampx_k_scale_r1_w0_s0(const ampx_cu_args a);
-void ampx_k_scale_r2_w0_s0(const ampx_cu_args a);
-void ampx_k_scale_r3_w0_s0(const ampx_cu_args a);
-void ampx_k_scale_r1_w0_s1(const ampx_cu_args a);
-void ampx_k_scale_r2_w0_s1(const ampx_cu_args a);
-void ampx_k_scale_r3_w0_s1(const ampx_cu_args a);
-void ampx_k_scale_r1_w1_s1(const ampx_cu_args a);
-void ampx_k_scale_r2_w1_s1(const ampx_cu_args a);
-void ampx_k_scale_r3_w1_s1(const ampx_cu_args a);
+#define AMPX_X_DECLARE(label, mode, rd, wr, sc, ck, cuda)                                                   \
+    AMPX_IF(cuda, void AMPX_CU_SCALE_KERNEL_NAME(rd, wr, sc)(const ampx_cu_args a);)
+AMPX_SCALE_MODE_LIST(AMPX_X_DECLARE)
+#undef AMPX_X_DECLARE
 void ampx_k_cast(const ampx_cu_args a);
 void ampx_k_update_scale(const ampx_cu_update_args a);
 }
@@ -201,17 +194,10 @@ int main(int argc, char **argv)
         return fail("bad job");
 
     static ampx_cu_dev dev;
-    dev.scale[0][1][1] = (ampx_cu_function)(void *)&ampx_k_scale_r0_w1_s1;
-    dev.scale[0][0][0] = (ampx_cu_function)(void *)&ampx_k_scale_r0_w0_s0;
-    dev.scale[1][0][0] = (ampx_cu_function)(void *)&ampx_k_scale_r1_w0_s0;
-    dev.scale[2][0][0] = (ampx_cu_function)(void *)&ampx_k_scale_r2_w0_s0;
-    dev.scale[3][0][0] = (ampx_cu_function)(void *)&ampx_k_scale_r3_w0_s0;
-    dev.scale[1][0][1] = (ampx_cu_function)(void *)&ampx_k_scale_r1_w0_s1;
-    dev.scale[2][0][1] = (ampx_cu_function)(void *)&ampx_k_scale_r2_w0_s1;
-    dev.scale[3][0][1] = (ampx_cu_function)(void *)&ampx_k_scale_r3_w0_s1;
-    dev.scale[1][1][1] = (ampx_cu_function)(void *)&ampx_k_scale_r1_w1_s1;
-    dev.scale[2][1][1] = (ampx_cu_function)(void *)&ampx_k_scale_r2_w1_s1;
-    dev.scale[3][1][1] = (ampx_cu_function)(void *)&ampx_k_scale_r3_w1_s1;
+#define AMPX_X_SLOT(label, mode, rd, wr, sc, ck, cuda)                                                      \
+    AMPX_IF(cuda, dev.scale[rd][wr][sc] = (ampx_cu_function)(void *)&AMPX_CU_SCALE_KERNEL_NAME(rd, wr, sc);)
+    AMPX_SCALE_MODE_LIST(AMPX_X_SLOT)
+#undef AMPX_X_SLOT
     dev.cast = (ampx_cu_function)(void *)&ampx_k_cast;
     dev.update = (ampx_cu_function)(void *)&ampx_k_update_scale;
     ampx_cu_error err;

@@ -169,16 +169,16 @@ def test_cuda_entry_points_validate_before_the_driver():
     mode = _C.MODE_SCALE | _C.MODE_WRITE | _C.MODE_CHECK
     alloc = None
     with pytest.raises(ValueError, match=r"tensors\[0\] is on cpu.*cuda:0"):
-        _C.cuda_scale_reduce("op", [torch.ones(3)], mode, 0.5, None, None, None, None, 0, 0, alloc)
+        _C.scale_reduce("op", [torch.ones(3)], mode, factor=0.5, device=0, stream=0, alloc=alloc)
     with pytest.raises(TypeError, match=r"tensors\[0\] must be a torch.Tensor"):
-        _C.cuda_scale_reduce("op", [7], mode, 0.5, None, None, None, None, 0, 0, alloc)
+        _C.scale_reduce("op", [7], mode, factor=0.5, device=0, stream=0, alloc=alloc)
     with pytest.raises(ValueError, match=r"src\[0\] is on cpu"):
-        _C.cuda_cast("op", [torch.ones(2)], [torch.ones(2)], None, None, None, False, 0, 0, 0, 0, alloc)
+        _C.cast("op", [torch.ones(2)], [torch.ones(2)], device=0, stream=0, alloc=alloc)
     with pytest.raises(ValueError, match=r"scale is on cpu"):
-        _C.cuda_update_scale(torch.ones(1), torch.zeros(1, dtype=torch.int32), None, torch.zeros(1), 2.0, 0.5,
-                             10, 1, False, 0.0, math.inf, None, 0, 0)
+        _C.update_scale(torch.ones(1), torch.zeros(1, dtype=torch.int32), torch.zeros(1), 2.0, 0.5, 10,
+                        hysteresis=1, consecutive=False, min_scale=0.0, max_scale=math.inf, device=0, stream=0)
     with pytest.raises(ValueError, match="no kernel for mode"):
-        _C.cuda_scale_reduce("op", [torch.ones(3)], 31 + 1, 0.5, None, None, None, None, 0, 0, alloc)
+        _C.scale_reduce("op", [torch.ones(3)], 31 + 1, factor=0.5, device=0, stream=0, alloc=alloc)
     if not torch.cuda.is_available():
         assert isinstance(_C.cuda_probe(0), str)
         with pytest.raises((RuntimeError, ValueError)):

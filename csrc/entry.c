@@ -1,0 +1,181 @@
+/*
+ * entry.c: the Python functions scale_reduce, cast and update_scale of
+ * ampx._C, one per op whatever the device (entry.h).
+ *
+ * Each parses its keywords, gathers and validates every argument on the
+ * call's device before any memory is written (bad input raises and leaves the
+ * tensors untouched), then hands the validated call to entry_cpu.c or
+ * entry_cuda.c. It owns the gathered lists and frees them on every path.
+ *
+ * Needs the GIL (the runners release it). May call: tensor_list.h,
+ * tensor_meta.h, the runners. ampx/ops.py is the public, documented API over
+ * these functions.
+ */
+#include "entry.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "tensor_meta.h"
+
+/* The modes that have kernels (AMPX_SCALE_MODE_LIST); any other is refused. */
+#define X_HAS_KERNEL(name, mode, rd, wr, sc, ck, cuda) [mode] = 1,
+static const unsigned char has_kernel[AMPX_NUM_MODES] = {AMPX_SCALE_MODE_LIST(X_HAS_KERNEL)};
+#undef X_HAS_KERNEL
+
+/* The keywords of entry_site, which end every entry point's keyword list, and
+ * their defaults: the CPU, one thread. */
+#define SITE_KEYWORDS "device", "nthreads", "stream", "alloc"
+#define SITE_FORMAT "iiKO"
+#define SITE_ARGS(s) &(s).device, &(s).nthreads, &(s).stream, &(s).alloc
+
+static void site_defaults(entry_site *s, const char *op)
+{
+    s->op = op;
+    s->device = -1;
+    s->nthreads = 1;
+    s->stream = 0;
+    s->alloc = Py_None;
+}
+
+/* The found_inf and flags outputs of a call over n tensors. */
+static int check_outputs(mstate *st, entry_call *c, PyObject *found_o, PyObject *flags_o, Py_ssize_t n)
+{
+    const char *op = c->at.op;
+    int device = c->at.device;
+    if (opt_aux(st, op, "found_inf", found_o, st->dtypes[AMPX_F32], 1, device, &c->found_inf) < 0 ||
+        opt_aux(st, op, "flags", flags_o, st->dtype_u8, n, device, &c->flags) < 0)
+        return -1;
+    return 0;
+}
+
+/* scale_reduce(op, tensors, mode, *, factor=None, found_inf=None, flags=None, per_tensor=None,
+ *              out=None, refuse_fp16=False, factor_name="factor", device=-1, nthreads=1,
+ *              stream=0, alloc=None)
+ *
+ * The one entry point of unscale_, check_finite, norm, unscale_norm_ and mul_:
+ * the scale kernel in `mode` over the tensors. */
+PyObject *py_scale_reduce(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *kw[] = {"op",          "tensors",    "mode",        "factor", "found_inf", "flags",
+                         "per_tensor",  "out",        "refuse_fp16", "factor_name", SITE_KEYWORDS, NULL};
+    mstate *st = state_of(module);
+    entry_call c;
+    memset(&c, 0, sizeof c);
+    site_defaults(&c.at, NULL);
+    PyObject *seq, *factor_o = Py_None, *found_o = Py_None, *flags_o = Py_None, *per_o = Py_None,
+                   *out_o = Py_None;
+    int refuse_fp16 = 0;
+    const char *factor_name = "factor";
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOi|$OOOOOps" SITE_FORMAT ":scale_reduce", kw, &c.at.op, &seq,
+                                     &c.mode, &factor_o, &found_o, &flags_o, &per_o, &out_o, &refuse_fp16,
+                                     &factor_name, SITE_ARGS(c.at)))
+        return NULL;
+    if (state_ready(st) < 0)
+        return NULL;
+    const char *op = c.at.op;
+    if (c.mode < 0 || c.mode >= AMPX_NUM_MODES || !has_kernel[c.mode]) {
+        PyErr_Format(PyExc_ValueError, "%s: no kernel for mode %d", op, c.mode);
+        return NULL;
+    }
+    const int write = c.mode & AMPX_M_WRITE, device = c.at.device;
+    if (tlist_gather(st, op, "tensors", seq, write, refuse_fp16, device, 0, &c.L) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    if (parse_factor(st, op, factor_name, factor_o, device, &c.factor, &c.factor_ptr) < 0 ||
+        check_outputs(st, &c, found_o, flags_o, c.L.n) < 0 ||
+        opt_aux(st, op, "per_tensor", per_o, st->dtypes[AMPX_F32], c.L.n, device, &c.per_tensor) < 0 ||
+        opt_aux(st, op, "out", out_o, st->dtypes[AMPX_F32], 1, device, &c.total) < 0)
+        goto done;
+    if (write && tlist_sequential(&c.L, &c.sequential) < 0)
+        goto done;
+    if ((device < 0 ? cpu_scale_reduce(st, &c) : cuda_scale_reduce(st, &c)) < 0)
+        goto done;
+    result = new_ref(Py_None);
+done:
+    tlist_free(&c.L);
+    return result;
+}
+
+/* cast(op, src, dst, *, inv_scale=None, found_inf=None, flags=None, stochastic=False, seed=0,
+ *      offset=0, device=-1, nthreads=1, stream=0, alloc=None)
+ *
+ * dst[i] = src[i] * inv_scale, converted, for each pair. */
+PyObject *py_cast(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *kw[] = {"op",         "src",  "dst",    "inv_scale", "found_inf", "flags",
+                         "stochastic", "seed", "offset", SITE_KEYWORDS, NULL};
+    mstate *st = state_of(module);
+    entry_call c;
+    memset(&c, 0, sizeof c);
+    site_defaults(&c.at, NULL);
+    PyObject *src_o, *dst_o, *factor_o = Py_None, *found_o = Py_None, *flags_o = Py_None;
+    unsigned long long seed = 0, offset = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOO|$OOOpKK" SITE_FORMAT ":cast", kw, &c.at.op, &src_o, &dst_o,
+                                     &factor_o, &found_o, &flags_o, &c.stochastic, &seed, &offset,
+                                     SITE_ARGS(c.at)))
+        return NULL;
+    if (state_ready(st) < 0)
+        return NULL;
+    c.seed = (uint64_t)seed;
+    c.offset = (uint64_t)offset;
+    const char *op = c.at.op;
+    if (gather_cast_lists(st, op, src_o, dst_o, c.at.device, c.stochastic, &c.S, &c.D) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    if (parse_factor(st, op, "inv_scale", factor_o, c.at.device, &c.factor, &c.factor_ptr) < 0 ||
+        check_outputs(st, &c, found_o, flags_o, c.S.n) < 0 || cast_prepare(st, op, &c.S, &c.D) < 0)
+        goto done;
+    if ((c.at.device < 0 ? cpu_cast(st, &c) : cuda_cast(st, &c)) < 0)
+        goto done;
+    result = new_ref(Py_None);
+done:
+    tlist_free(&c.S);
+    tlist_free(&c.D);
+    return result;
+}
+
+/* update_scale(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval, *,
+ *              hysteresis_tracker=None, hysteresis=1, consecutive=False, min_scale=0.0,
+ *              max_scale=inf, events=None, device=-1, nthreads=1, stream=0, alloc=None)
+ *   -> the events (AMPX_UPD_* bits) on the CPU; None on CUDA, where they land in
+ *      `events` (an int32 tensor on the device, or None)
+ *
+ * One loss-scale update (ampx_update_scale) of the tensors, on their device. */
+PyObject *py_update_scale(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *kw[] = {"scale",       "growth_tracker", "found_inf", "growth_factor", "backoff_factor",
+                         "growth_interval", "hysteresis_tracker", "hysteresis", "consecutive", "min_scale",
+                         "max_scale",   "events",         SITE_KEYWORDS, NULL};
+    mstate *st = state_of(module);
+    entry_update u;
+    memset(&u, 0, sizeof u);
+    site_defaults(&u.at, "ampx.ops.update_scale_");
+    PyObject *scale_o, *tracker_o, *found_o, *hyst_o = Py_None, *events_o = Py_None;
+    u.hysteresis = 1;
+    u.max_scale = INFINITY;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOddL|$OipddO" SITE_FORMAT ":update_scale", kw, &scale_o,
+                                     &tracker_o, &found_o, &u.growth_factor, &u.backoff_factor,
+                                     &u.growth_interval, &hyst_o, &u.hysteresis, &u.consecutive, &u.min_scale,
+                                     &u.max_scale, &events_o, SITE_ARGS(u.at)))
+        return NULL;
+    if (state_ready(st) < 0)
+        return NULL;
+    const char *op = u.at.op;
+    const int device = u.at.device;
+    if (aux_ptr(st, op, "scale", scale_o, st->dtypes[AMPX_F32], 1, device, &u.scale) < 0 ||
+        aux_ptr(st, op, "growth_tracker", tracker_o, st->dtype_i32, 1, device, &u.growth_tracker) < 0 ||
+        opt_aux(st, op, "hysteresis_tracker", hyst_o, st->dtype_i32, 1, device, &u.hysteresis_tracker) < 0 ||
+        aux_ptr(st, op, "found_inf", found_o, st->dtypes[AMPX_F32], 1, device, &u.found_inf) < 0 ||
+        opt_aux(st, op, "events", events_o, st->dtype_i32, 1, device, &u.events) < 0)
+        return NULL;
+    if (device >= 0) {
+        if (cuda_update_scale(&u) < 0)
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    int events = 0;
+    if (cpu_update_scale(&u, &events) < 0)
+        return NULL;
+    return PyLong_FromLong(events);
+}

@@ -1,0 +1,126 @@
+/*
+ * entry_cpu.c: the CPU runners of scale_reduce, cast and update_scale
+ * (entry.h): a validated call run through the multi-tensor launcher
+ * (multi_tensor.h) on torch's OpenMP team or ampx's pool, its per-chunk
+ * results combined into the outputs.
+ *
+ * Called by entry.c with the GIL held, the call validated. Releases the GIL
+ * around the kernels of a call of GIL_RELEASE_MIN elements or more (the
+ * gathered lists own their tensors, so none can die meanwhile). May call:
+ * multi_tensor.h, tensor_list.h (the sequential path, a cast's copy back).
+ */
+#include "entry.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+/* Runs job over ts[0..n) (total elements in all); -1 with MemoryError when
+ * the launcher cannot get its plan. */
+static int run_job(const ampx_job *job, const ampx_tensor *ts, Py_ssize_t n, int64_t total, int nthreads,
+                   ampx_partial *parts)
+{
+    int rc;
+    if (total >= GIL_RELEASE_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = ampx_run(job, ts, n, nthreads, parts);
+        Py_END_ALLOW_THREADS
+    } else {
+        rc = ampx_run(job, ts, n, nthreads, parts);
+    }
+    if (rc < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static double finish_reduce(int reduce, double acc) { return reduce == AMPX_REDUCE_SUMSQ ? sqrt(acc) : acc; }
+
+/* Writes the outputs a call asked for: found_inf, per-tensor flags,
+ * per-tensor and total reductions. */
+static void write_outputs(const entry_call *c, const ampx_partial *parts, Py_ssize_t n, int reduce)
+{
+    float *found_inf = (float *)c->found_inf, *per_tensor = (float *)c->per_tensor, *total = (float *)c->total;
+    uint8_t *flags = (uint8_t *)c->flags;
+    ampx_partial all = {0.0, 0u};
+    for (Py_ssize_t i = 0; i < n; i++) {
+        ampx_partial_combine(&all, &parts[i], reduce);
+        if (flags != NULL)
+            flags[i] = (uint8_t)parts[i].flags;
+        if (per_tensor != NULL)
+            per_tensor[i] = (float)finish_reduce(reduce, parts[i].acc);
+    }
+    if (found_inf != NULL && all.flags != 0u)
+        *found_inf = 1.0f;
+    if (total != NULL)
+        *total = (float)finish_reduce(reduce, all.acc);
+}
+
+static ampx_partial *new_parts(Py_ssize_t n)
+{
+    ampx_partial *parts = (ampx_partial *)calloc(n > 0 ? (size_t)n : 1u, sizeof *parts);
+    if (parts == NULL)
+        PyErr_NoMemory();
+    return parts;
+}
+
+/* The sequential path: one tensor's job (tlist_each_staged). */
+typedef struct {
+    const ampx_job *job;
+    int nthreads;
+    ampx_partial *parts;
+} one_by_one;
+
+static int run_one(void *ctx, tlist *L, Py_ssize_t i)
+{
+    const one_by_one *s = (const one_by_one *)ctx;
+    if (L->ts[i].numel == 0)
+        return 0;
+    return run_job(s->job, &L->ts[i], 1, L->ts[i].numel, s->nthreads, &s->parts[i]);
+}
+
+int cpu_scale_reduce(mstate *st, entry_call *c)
+{
+    tlist *L = &c->L;
+    ampx_partial *parts = new_parts(L->n);
+    if (parts == NULL)
+        return -1;
+    ampx_job job = {0, c->mode, c->factor, 0, 0u, 0u};
+    int rc;
+    if (!c->sequential) {
+        rc = run_job(&job, L->ts, L->n, L->total, c->at.nthreads, parts);
+    } else {
+        one_by_one s = {&job, c->at.nthreads, parts};
+        rc = tlist_each_staged(st, L, run_one, &s);
+    }
+    if (rc == 0)
+        write_outputs(c, parts, L->n, AMPX_MODE_REDUCE(c->mode));
+    free(parts);
+    return rc;
+}
+
+int cpu_cast(mstate *st, entry_call *c)
+{
+    ampx_partial *parts = new_parts(c->S.n);
+    if (parts == NULL)
+        return -1;
+    ampx_job job = {1, 0, c->factor, c->stochastic, c->seed, c->offset};
+    int rc = run_job(&job, c->S.ts, c->S.n, c->S.total, c->at.nthreads, parts);
+    if (rc == 0)
+        rc = cast_unstage(st, &c->D);
+    if (rc == 0)
+        write_outputs(c, parts, c->S.n, AMPX_REDUCE_NONE);
+    free(parts);
+    return rc;
+}
+
+int cpu_update_scale(const entry_update *u, int *events)
+{
+    *events = ampx_update_scale((float *)u->scale, (int32_t *)u->growth_tracker, (int32_t *)u->hysteresis_tracker,
+                                *(const float *)u->found_inf, u->growth_factor, u->backoff_factor,
+                                (int64_t)u->growth_interval, (int32_t)u->hysteresis, u->consecutive,
+                                (float)u->min_scale, (float)u->max_scale);
+    if (u->events != NULL)
+        *(int32_t *)u->events = (int32_t)*events;
+    return 0;
+}

@@ -1,0 +1,297 @@
+/*
+ * entry_cuda.c: the CUDA runners of scale_reduce, cast and update_scale
+ * (entry.h), and the Python functions that hand the fatbin over and ask about
+ * devices.
+ *
+ * A validated call goes through the multi-tensor launcher of cuda_launch.c on
+ * the caller's stream; a workspace, when the outputs need one, comes from
+ * torch's caching allocator through the call's `alloc` (a tensor this file
+ * owns until the call returns: stream order keeps the memory valid for the
+ * launches). Driver errors arrive as ampx_cu_error (cuda_driver.h: pure C,
+ * errors cross one boundary) and become RuntimeError here, in cu_raise.
+ *
+ * Called by entry.c with the GIL held. Releases it around batched launches;
+ * the sequential path keeps it, since it calls torch between launches (and a
+ * context is never held pushed across a call into Python). May call:
+ * cuda_driver.h, tensor_list.h, tensor_meta.h (get_data_ptr).
+ */
+#include "entry.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_driver.h"
+#include "tensor_meta.h"
+
+static int cu_raise(const char *op, const ampx_cu_error *err)
+{
+    PyErr_Format(PyExc_RuntimeError, "%s: %s", op, err->msg);
+    return -1;
+}
+
+static ampx_cu_deviceptr dptr(const void *p) { return (ampx_cu_deviceptr)(uintptr_t)p; }
+
+/* Calls alloc(bytes) (a torch.empty on the device) and keeps the tensor in
+ * *keep (a new reference the caller drops after the launches). */
+static int cuda_workspace(mstate *st, const char *op, PyObject *alloc, int64_t bytes, PyObject **keep,
+                          ampx_cu_deviceptr *ptr)
+{
+    *keep = NULL;
+    *ptr = 0;
+    if (bytes == 0)
+        return 0;
+    PyObject *n = PyLong_FromLongLong((long long)bytes);
+    if (n == NULL)
+        return -1;
+    PyObject *t = PyObject_CallFunctionObjArgs(alloc, n, NULL);
+    Py_DECREF(n);
+    if (t == NULL)
+        return -1;
+    char *p = NULL;
+    if (get_data_ptr(st, t, &p) < 0) {
+        Py_DECREF(t);
+        return -1;
+    }
+    if (((uintptr_t)p & 15u) != 0) {
+        Py_DECREF(t);
+        PyErr_Format(PyExc_RuntimeError, "%s: the workspace allocation is not 16-byte aligned", op);
+        return -1;
+    }
+    *keep = t;
+    *ptr = dptr(p);
+    return 0;
+}
+
+/* The launcher's view of a gathered list (malloc'd; the caller frees it). */
+static ampx_cu_tensor *cuda_tensors(const tlist *L)
+{
+    ampx_cu_tensor *c = (ampx_cu_tensor *)calloc(L->n > 0 ? (size_t)L->n : 1u, sizeof *c);
+    if (c == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < L->n; i++) {
+        c[i].ptr = dptr(L->ts[i].ptr);
+        c[i].src = dptr(L->ts[i].src);
+        c[i].numel = L->ts[i].numel;
+        c[i].dtype = L->ts[i].dtype;
+        c[i].src_dtype = L->ts[i].src_dtype;
+        c[i].index = L->ts[i].index;
+    }
+    return c;
+}
+
+/* What a CUDA data call holds between its preparation and its return. */
+typedef struct {
+    const ampx_cu_dev *dev;
+    ampx_cu_tensor *cts;  /* owned */
+    int64_t chunks;
+    PyObject *ws_keep;    /* owned: the workspace tensor, or NULL */
+    ampx_cu_deviceptr ws;
+    ampx_cu_launcher *Lc; /* owned: the sequential path's launcher, or NULL */
+} cuda_run;
+
+static void cuda_run_free(cuda_run *r)
+{
+    free(r->Lc);
+    free(r->cts);
+    Py_XDECREF(r->ws_keep);
+}
+
+/* What every CUDA data call needs before its launches: the device (its module
+ * loaded), the tensors in the launcher's form, and a workspace from torch's
+ * allocator sized for them. */
+static int cuda_prepare(mstate *st, const entry_site *at, const ampx_cu_job *job, const tlist *L, cuda_run *r)
+{
+    memset(r, 0, sizeof *r);
+    ampx_cu_error err;
+    if ((r->dev = ampx_cu_device_get(at->device, &err)) == NULL)
+        return cu_raise(at->op, &err);
+    if ((r->cts = cuda_tensors(L)) == NULL)
+        return -1;
+    int64_t bytes = ampx_cu_workspace_bytes(job, r->cts, L->n, &r->chunks);
+    if (bytes < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: too many elements for one call", at->op);
+        return -1;
+    }
+    return cuda_workspace(st, at->op, at->alloc, bytes, &r->ws_keep, &r->ws);
+}
+
+/* Every tensor in list order through one launcher, the GIL released. */
+static int cuda_run_batched(const entry_site *at, const ampx_cu_job *job, const cuda_run *r, Py_ssize_t n)
+{
+    ampx_cu_launcher *Lc = (ampx_cu_launcher *)malloc(sizeof *Lc);
+    if (Lc == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    ampx_cu_error err;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ampx_cu_begin(Lc, r->dev, (ampx_cu_stream)(uintptr_t)at->stream, job, (int64_t)n, r->chunks, r->ws, &err);
+    for (Py_ssize_t i = 0; i < n && rc == 0; i++)
+        rc = ampx_cu_add(Lc, &r->cts[i], &err);
+    if (rc == 0)
+        rc = ampx_cu_flush(Lc, &err);
+    Py_END_ALLOW_THREADS
+    free(Lc);
+    return rc < 0 ? cu_raise(at->op, &err) : 0;
+}
+
+/* The sequential path: tensor i in a launch of its own (tlist_each_staged),
+ * its pointer that of its contiguous copy when it has one. */
+typedef struct {
+    const char *op;
+    cuda_run *r;
+} one_by_one;
+
+static int launch_one(void *ctx, tlist *L, Py_ssize_t i)
+{
+    const one_by_one *s = (const one_by_one *)ctx;
+    ampx_cu_error err;
+    s->r->cts[i].ptr = dptr(L->ts[i].ptr);
+    if (ampx_cu_add(s->r->Lc, &s->r->cts[i], &err) < 0 || ampx_cu_flush(s->r->Lc, &err) < 0)
+        return cu_raise(s->op, &err);
+    return 0;
+}
+
+/* The job fields every data call shares. */
+static void job_common(ampx_cu_job *job, const entry_call *c, int kind)
+{
+    memset(job, 0, sizeof *job);
+    job->kind = kind;
+    job->factor = c->factor;
+    job->factor_ptr = dptr(c->factor_ptr);
+    job->found_inf = dptr(c->found_inf);
+    job->flags_out = dptr(c->flags);
+}
+
+int cuda_scale_reduce(mstate *st, entry_call *c)
+{
+    ampx_cu_job job;
+    job_common(&job, c, AMPX_CU_SCALE);
+    job.reduce = AMPX_MODE_REDUCE(c->mode);
+    job.write = (c->mode & AMPX_M_WRITE) ? 1 : 0;
+    job.scale = (c->mode & AMPX_M_SCALE) ? 1 : 0;
+    job.per_out = dptr(c->per_tensor);
+    job.total_out = dptr(c->total);
+    if (!(c->mode & AMPX_M_CHECK))
+        job.found_inf = job.flags_out = 0;
+
+    cuda_run r;
+    int rc = cuda_prepare(st, &c->at, &job, &c->L, &r);
+    if (rc == 0 && !c->sequential) {
+        rc = cuda_run_batched(&c->at, &job, &r, c->L.n);
+    } else if (rc == 0) {
+        /* As on the CPU: one launch per tensor, in list order. */
+        ampx_cu_error err;
+        if ((r.Lc = (ampx_cu_launcher *)malloc(sizeof *r.Lc)) == NULL) {
+            PyErr_NoMemory();
+            rc = -1;
+        } else if (ampx_cu_begin(r.Lc, r.dev, (ampx_cu_stream)(uintptr_t)c->at.stream, &job, c->L.n, r.chunks,
+                                 r.ws, &err) < 0) {
+            rc = cu_raise(c->at.op, &err);
+        } else {
+            one_by_one s = {c->at.op, &r};
+            rc = tlist_each_staged(st, &c->L, launch_one, &s);
+        }
+    }
+    cuda_run_free(&r);
+    return rc;
+}
+
+int cuda_cast(mstate *st, entry_call *c)
+{
+    ampx_cu_job job;
+    job_common(&job, c, AMPX_CU_CAST);
+    job.stochastic = c->stochastic;
+    job.seed = c->seed;
+    job.offset = c->offset;
+    cuda_run r;
+    int rc = cuda_prepare(st, &c->at, &job, &c->S, &r);
+    if (rc == 0)
+        rc = cuda_run_batched(&c->at, &job, &r, c->S.n);
+    if (rc == 0)
+        rc = cast_unstage(st, &c->D);
+    cuda_run_free(&r);
+    return rc;
+}
+
+/* The update as a one-thread kernel: reads and writes the device tensors on
+ * the stream; nothing waits. */
+int cuda_update_scale(const entry_update *u)
+{
+    ampx_cu_update_args a;
+    memset(&a, 0, sizeof a);
+    a.scale = dptr(u->scale);
+    a.growth_tracker = dptr(u->growth_tracker);
+    a.hysteresis = dptr(u->hysteresis_tracker);
+    a.found_inf = dptr(u->found_inf);
+    a.events = dptr(u->events);
+    a.growth_factor = u->growth_factor;
+    a.backoff_factor = u->backoff_factor;
+    a.growth_interval = (int64_t)u->growth_interval;
+    a.hysteresis_max = (int32_t)u->hysteresis;
+    a.consecutive = u->consecutive;
+    a.min_scale = (float)u->min_scale;
+    a.max_scale = (float)u->max_scale;
+    ampx_cu_error err;
+    const ampx_cu_dev *dev = ampx_cu_device_get(u->at.device, &err);
+    if (dev == NULL || ampx_cu_update(dev, (ampx_cu_stream)(uintptr_t)u->at.stream, &a, &err) < 0)
+        return cu_raise(u->at.op, &err);
+    return 0;
+}
+
+/* ---- the fatbin and the devices ---------------------------------------------- */
+
+/* cuda_set_image(bytes): the fatbin (read by ampx.cuda); the first one stays. */
+PyObject *py_cuda_set_image(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    char *data = NULL;
+    Py_ssize_t size = 0;
+    if (PyBytes_AsStringAndSize(arg, &data, &size) < 0)
+        return NULL;
+    if (size <= 0) {
+        PyErr_SetString(PyExc_ValueError, "cuda_set_image: the fatbin is empty");
+        return NULL;
+    }
+    if (ampx_cu_set_image(data, (size_t)size) < 0)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* The device index a device function was given (its one argument). */
+static int device_arg(PyObject *arg, int *device)
+{
+    long v = PyLong_AsLong(arg);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    *device = (int)v;
+    return 0;
+}
+
+/* cuda_probe(device) -> None when device can run ampx's kernels, else the reason (str). */
+PyObject *py_cuda_probe(PyObject *module, PyObject *arg)
+{
+    ampx_cu_error err;
+    int device;
+    if (device_arg(arg, &device) < 0)
+        return NULL;
+    return ampx_cu_probe(device, &err) < 0 ? PyUnicode_FromString(err.msg) : new_ref(Py_None);
+}
+
+/* cuda_device_info(device) -> (cc_major, cc_minor, multiprocessors, driver_version); loads the kernels. */
+PyObject *py_cuda_device_info(PyObject *module, PyObject *arg)
+{
+    ampx_cu_error err;
+    int device;
+    if (device_arg(arg, &device) < 0)
+        return NULL;
+    const ampx_cu_dev *dev = ampx_cu_device_get(device, &err);
+    if (dev == NULL) {
+        cu_raise("ampx.cuda", &err);
+        return NULL;
+    }
+    return Py_BuildValue("(iiii)", dev->cc_major, dev->cc_minor, dev->sm_count, ampx_cu_driver_version());
+}

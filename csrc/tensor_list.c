@@ -1,0 +1,405 @@
+/*
+ * tensor_list.c: a list of tensors gathered into kernel descriptors
+ * (tensor_list.h), its staging (contiguous copies of non-contiguous or
+ * negated tensors, copied back after the kernels) and its sharing rules.
+ *
+ * A plain tensor is read through torch's C shim when the start-up probe
+ * allowed it (torch_shim.h), with prefetches aimed ahead in the list; any
+ * other tensor, and any the shim declines, through tensor_meta.c.
+ *
+ * Needs the GIL throughout. May call: tensor_meta.h, torch_shim.h,
+ * overlap.h. Called by entry.c and the device runners (entry_cpu.c,
+ * entry_cuda.c).
+ */
+#include "tensor_list.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "overlap.h"
+#include "tensor_meta.h"
+#include "torch_shim.h"
+
+void tlist_free(tlist *L)
+{
+    if (L->tmp != NULL)
+        for (Py_ssize_t i = 0; i < L->n; i++)
+            Py_XDECREF(L->tmp[i]);
+    Py_XDECREF(L->seq);
+    free(L->ts);
+    free(L->nc);
+    free(L->neg);
+    free(L->tmp);
+    free(L->lo);
+    free(L->hi);
+    free(L->layout);
+    memset(L, 0, sizeof *L);
+}
+
+/* Copies `staged` (where a kernel wrote) back into tensor t, outside autograd
+ * (through t.detach(), which keeps t's memory and negative bit): the kernels
+ * bypass autograd, and a leaf that requires grad (a Parameter, or a view of
+ * one) would otherwise refuse the copy after other tensors had been written. */
+static int copy_back(mstate *st, PyObject *t, PyObject *staged)
+{
+    PyObject *d = call0(t, st->s_detach);
+    if (d == NULL)
+        return -1;
+    PyObject *r = PyObject_CallMethodObjArgs(d, st->s_copy_, staged, NULL);
+    Py_DECREF(d);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* A contiguous copy of t (new reference) in *out, its pointer in *ptr. */
+static int contiguous_copy(mstate *st, PyObject *t, PyObject **out, char **ptr)
+{
+    PyObject *c = call0(t, st->s_contiguous);
+    if (c == NULL)
+        return -1;
+    if (get_data_ptr(st, c, ptr) < 0) {
+        Py_DECREF(c);
+        return -1;
+    }
+    *out = c;
+    return 0;
+}
+
+/* ---- gathering ------------------------------------------------------------- */
+
+/* Whether t is a plain torch.Tensor or Parameter: the tensors the shim reads. */
+static int is_plain(mstate *st, PyObject *t)
+{
+    return Py_TYPE(t) == (PyTypeObject *)st->tensor_type || Py_TYPE(t) == (PyTypeObject *)st->param_type;
+}
+
+/* Prefetch distances (in tensors) of the shim's three stages (torch_shim.h). */
+#define PF_OBJ 12
+#define PF_IMPL 8
+#define PF_STORAGE 4
+
+/* While tensor i of L is read, asks for the memory of those to come. */
+static void prefetch_ahead(mstate *st, const tlist *L, Py_ssize_t i)
+{
+    if (i + PF_OBJ < L->n)
+        ampx_shim_prefetch1(tlist_item(L, i + PF_OBJ));
+    PyObject *u;
+    if (i + PF_IMPL < L->n && is_plain(st, u = tlist_item(L, i + PF_IMPL)))
+        ampx_shim_prefetch2(u);
+    if (i + PF_STORAGE < L->n && is_plain(st, u = tlist_item(L, i + PF_STORAGE)))
+        ampx_shim_prefetch3(u);
+}
+
+/* Takes a tuple of seq's items (owned by L) and allocates L's arrays. */
+static int tlist_alloc(const char *op, const char *arg, PyObject *seq, tlist *L)
+{
+    memset(L, 0, sizeof *L);
+    if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
+        PyErr_Format(PyExc_TypeError, "%s: %s must be a list or tuple of tensors", op, arg);
+        return -1;
+    }
+    /* Own the tensors for the whole call: the GIL is released while kernels
+     * write through their data pointers, and another thread (or Python code
+     * run by .contiguous()/.copy_()) could otherwise drop the last reference. */
+    if ((L->seq = PySequence_Tuple(seq)) == NULL)
+        return -1;
+    Py_ssize_t n = PyTuple_Size(L->seq);
+    if (n < 0) {
+        tlist_free(L);
+        return -1;
+    }
+    if ((size_t)n > (size_t)UINT32_MAX) {
+        tlist_free(L);
+        PyErr_Format(PyExc_ValueError, "%s: %s holds more than 2^32 tensors", op, arg);
+        return -1;
+    }
+    L->n = n;
+    size_t m = n > 0 ? (size_t)n : 1u;
+    L->ts = (ampx_tensor *)calloc(m, sizeof *L->ts);
+    L->nc = (unsigned char *)calloc(m, 1);
+    L->neg = (unsigned char *)calloc(m, 1);
+    L->tmp = (PyObject **)calloc(m, sizeof *L->tmp);
+    L->lo = (uintptr_t *)calloc(m, sizeof *L->lo);
+    L->hi = (uintptr_t *)calloc(m, sizeof *L->hi);
+    L->layout = (uint64_t *)calloc(m, sizeof *L->layout);
+    if (L->ts == NULL || L->nc == NULL || L->neg == NULL || L->tmp == NULL || L->lo == NULL || L->hi == NULL ||
+        L->layout == NULL) {
+        tlist_free(L);
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static int refuse_fp16_error(void)
+{
+    /* torch.amp.GradScaler's own words, for drop-in compatibility. */
+    PyErr_SetString(PyExc_ValueError, "Attempting to unscale FP16 gradients.");
+    return -1;
+}
+
+/* Reads tensor i (t) of L through its Python attributes: any tensor the shim
+ * did not take. */
+static int read_by_attributes(mstate *st, const char *op, const char *arg, PyObject *t, Py_ssize_t i, int write,
+                              int refuse_fp16, int device, int want_neg, tlist *L)
+{
+    ampx_tensor *d = &L->ts[i];
+    int contig = 0;
+    if ((d->dtype = dtype_code(st, op, arg, i, t)) < 0)
+        return -1;
+    if (tensor_meta(st, op, arg, i, t, ampx_elem_size(d->dtype), device, &d->numel, &contig) < 0)
+        return -1;
+    if (refuse_fp16 && d->dtype == AMPX_F16)
+        return refuse_fp16_error();
+    L->total += d->numel;
+    if (d->numel == 0)
+        return 0;
+    if (want_neg && neg_flag(st, t, &L->neg[i]) < 0)
+        return -1;
+    if (contig) {
+        if (get_data_ptr(st, t, &d->ptr) < 0)
+            return -1;
+        L->lo[i] = (uintptr_t)d->ptr;
+        L->hi[i] = L->lo[i] + (uintptr_t)(d->numel * ampx_elem_size(d->dtype));
+        return 0;
+    }
+    L->nc[i] = 1;
+    L->any_nc = 1;
+    int overlap = 0;
+    if (strided_extent(st, t, ampx_elem_size(d->dtype), &L->lo[i], &L->hi[i], &overlap, &L->layout[i]) < 0)
+        return -1;
+    if (write && overlap) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: %s[%zd] may have internal overlap (several of its elements can share "
+                     "memory, as in an expanded view), so it cannot be written in place",
+                     op, arg, i);
+        return -1;
+    }
+    if (!write)
+        return contiguous_copy(st, t, &L->tmp[i], &d->ptr);
+    return 0;
+}
+
+int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *seq, int write, int refuse_fp16,
+                 int device, int want_neg, tlist *L)
+{
+    if (tlist_alloc(op, arg, seq, L) < 0)
+        return -1;
+    int shim = ampx_shim_enabled();
+    for (Py_ssize_t i = 0; i < L->n; i++) {
+        PyObject *t = tlist_item(L, i);
+        if (t == NULL)
+            goto error;
+        if (shim)
+            prefetch_ahead(st, L, i);
+        ampx_tensor *d = &L->ts[i];
+        d->index = (uint32_t)i;
+        if (!PyObject_TypeCheck(t, (PyTypeObject *)st->tensor_type)) {
+            PyErr_Format(PyExc_TypeError, "%s: %s[%zd] must be a torch.Tensor, not %R", op, arg, i,
+                         (PyObject *)Py_TYPE(t));
+            goto error;
+        }
+        ampx_shim_meta m;
+        if (shim && is_plain(st, t) && ampx_shim_read(t, &m) &&
+            (device < 0 ? m.device_type == AMPX_SHIM_CPU
+                        : m.device_type == AMPX_SHIM_CUDA && m.device_index == device)) {
+            /* The fast read: a plain, contiguous tensor of a supported dtype on
+             * the right device. Anything else takes the Python attributes,
+             * which handle it or raise the error. */
+            if (refuse_fp16 && m.dtype == AMPX_F16) {
+                refuse_fp16_error();
+                goto error;
+            }
+            d->dtype = m.dtype;
+            d->numel = m.numel;
+            L->total += m.numel;
+            if (m.numel == 0)
+                continue;
+            if (want_neg && neg_flag(st, t, &L->neg[i]) < 0)
+                goto error;
+            d->ptr = m.ptr;
+            L->lo[i] = (uintptr_t)m.ptr;
+            L->hi[i] = L->lo[i] + (uintptr_t)(m.numel * ampx_elem_size(m.dtype));
+            continue;
+        }
+        if (read_by_attributes(st, op, arg, t, i, write, refuse_fp16, device, want_neg, L) < 0)
+            goto error;
+    }
+    return 0;
+error:
+    tlist_free(L);
+    return -1;
+}
+
+/* ---- written lists ---------------------------------------------------------- */
+
+int tlist_sequential(const tlist *L, int *sequential)
+{
+    *sequential = L->any_nc;
+    if (*sequential || L->n < 2)
+        return 0;
+    /* Spans of the contiguous, non-empty tensors, all written. */
+    ampx_span *spans = (ampx_span *)malloc((size_t)L->n * sizeof *spans);
+    if (spans == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    ptrdiff_t m = 0;
+    for (Py_ssize_t i = 0; i < L->n; i++) {
+        if (L->ts[i].numel != 0 && !L->nc[i])
+            spans[m++] = (ampx_span){L->lo[i], L->hi[i], i, 1};
+    }
+    ampx_span x, y;
+    *sequential = ampx_find_overlap(spans, m, &x, &y);
+    free(spans);
+    return 0;
+}
+
+int tlist_each_staged(mstate *st, tlist *L, tlist_run_fn run, void *ctx)
+{
+    for (Py_ssize_t i = 0; i < L->n; i++) {
+        PyObject *c = NULL;
+        if (L->nc[i] && contiguous_copy(st, tlist_item(L, i), &c, &L->ts[i].ptr) < 0)
+            return -1;
+        int rc = run(ctx, L, i);
+        if (rc == 0 && c != NULL)
+            rc = copy_back(st, tlist_item(L, i), c);
+        Py_XDECREF(c);
+        if (rc < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* ---- casts ------------------------------------------------------------------- */
+
+int gather_cast_lists(mstate *st, const char *op, PyObject *src_o, PyObject *dst_o, int device, int stochastic,
+                      tlist *S, tlist *D)
+{
+    if (tlist_gather(st, op, "src", src_o, 0, 0, device, 1, S) < 0)
+        return -1;
+    if (tlist_gather(st, op, "dst", dst_o, 1, 0, device, 1, D) < 0) {
+        tlist_free(S);
+        return -1;
+    }
+    if (S->n != D->n) {
+        PyErr_Format(PyExc_ValueError, "%s: src has %zd tensors but dst has %zd", op, S->n, D->n);
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < S->n; i++) {
+        if (S->ts[i].numel != D->ts[i].numel) {
+            PyErr_Format(PyExc_ValueError, "%s: src[%zd] has %lld elements but dst[%zd] has %lld", op, i,
+                         (long long)S->ts[i].numel, i, (long long)D->ts[i].numel);
+            goto error;
+        }
+        if (stochastic && D->ts[i].dtype != AMPX_BF16) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: stochastic rounding writes bfloat16, but dst[%zd] has dtype torch.%s", op, i,
+                         dtype_name(D->ts[i].dtype));
+            goto error;
+        }
+    }
+    return 0;
+error:
+    tlist_free(S);
+    tlist_free(D);
+    return -1;
+}
+
+/* A contiguous tensor holding the values of t with no negative bit (new reference). */
+static PyObject *resolved_copy(mstate *st, PyObject *t)
+{
+    PyObject *r = call0(t, st->s_resolve_neg);
+    if (r == NULL)
+        return NULL;
+    PyObject *c = call0(r, st->s_contiguous);
+    Py_DECREF(r);
+    return c;
+}
+
+/* Where a cast's kernel reads and writes. Non-contiguous destinations are
+ * written through contiguous copies, copied back afterwards. The scale, check
+ * and norm kernels are right on a tensor with the negative bit (scaling
+ * commutes with negation; checks and norms see magnitudes), but a cast would
+ * carry the stored sign over: a negated source is read through a resolved
+ * copy, and a negated destination written through one (copy_ then negates). */
+static int cast_staging(mstate *st, tlist *S, tlist *D)
+{
+    for (Py_ssize_t i = 0; i < D->n; i++)
+        if (D->nc[i] && contiguous_copy(st, tlist_item(D, i), &D->tmp[i], &D->ts[i].ptr) < 0)
+            return -1;
+    for (Py_ssize_t i = 0; i < S->n; i++) {
+        if (S->ts[i].numel == 0)
+            continue;
+        for (int side = 0; side < 2; side++) {
+            tlist *L = side == 0 ? S : D;
+            if (!L->neg[i])
+                continue;
+            PyObject *c = resolved_copy(st, tlist_item(L, i));
+            if (c == NULL)
+                return -1;
+            Py_XDECREF(L->tmp[i]);
+            L->tmp[i] = c;
+            if (get_data_ptr(st, c, &L->ts[i].ptr) < 0)
+                return -1;
+        }
+    }
+    return 0;
+}
+
+/* The sharing rule of a cast: a destination may alias only its own source,
+ * exactly (same elements, order and dtype); any other overlap with a
+ * destination would make the result depend on the order of the work. Spans
+ * are those of the caller's tensors, not of any contiguous copy. */
+static int check_cast_sharing(const char *op, const tlist *S, const tlist *D)
+{
+    ampx_span *spans = (ampx_span *)malloc((size_t)(2 * S->n + 1) * sizeof *spans);
+    if (spans == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    ptrdiff_t m = 0;
+    for (Py_ssize_t i = 0; i < S->n; i++) {
+        if (S->ts[i].numel == 0)
+            continue;
+        int exact_alias = S->lo[i] == D->lo[i] && S->hi[i] == D->hi[i] && S->nc[i] == D->nc[i] &&
+                          S->layout[i] == D->layout[i] && S->ts[i].src_dtype == S->ts[i].dtype;
+        spans[m++] = (ampx_span){D->lo[i], D->hi[i], i, 1};
+        if (!exact_alias)
+            spans[m++] = (ampx_span){S->lo[i], S->hi[i], i, 0};
+    }
+    ampx_span x, y;
+    int overlap = ampx_find_overlap(spans, m, &x, &y);
+    free(spans);
+    if (overlap) {
+        PyErr_Format(PyExc_ValueError, "%s: %s[%zd] and %s[%zd] (may) share memory; a cast needs distinct "
+                     "destinations (or a destination that is exactly its own source)",
+                     op, x.written ? "dst" : "src", (Py_ssize_t)x.idx, y.written ? "dst" : "src",
+                     (Py_ssize_t)y.idx);
+        return -1;
+    }
+    return 0;
+}
+
+int cast_prepare(mstate *st, const char *op, tlist *S, tlist *D)
+{
+    if (cast_staging(st, S, D) < 0)
+        return -1;
+    for (Py_ssize_t i = 0; i < S->n; i++) {
+        S->ts[i].src = S->ts[i].ptr;
+        S->ts[i].src_dtype = S->ts[i].dtype;
+        S->ts[i].ptr = D->ts[i].ptr;
+        S->ts[i].dtype = D->ts[i].dtype;
+    }
+    return check_cast_sharing(op, S, D);
+}
+
+int cast_unstage(mstate *st, const tlist *D)
+{
+    for (Py_ssize_t i = 0; i < D->n; i++)
+        if (D->tmp[i] != NULL && copy_back(st, tlist_item(D, i), D->tmp[i]) < 0)
+            return -1;
+    return 0;
+}
