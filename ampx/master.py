@@ -150,8 +150,9 @@ class MasterWeights(torch.optim.Optimizer):
     # ---- gradients: model -> masters -----------------------------------------------------
 
     def _ampx_grads(self):
-        """(params, grads) the scaler passes over: the low-precision parameters' gradients
-        (still in the model), then those of the parameters stepped as they are."""
+        """(params, grads, devices) the scaler passes over: the low-precision parameters'
+        gradients (still in the model), then those of the parameters stepped as they are;
+        devices as ``_C.collect_grads`` gives it (None: all on one device)."""
         return _C.collect_grads([{"params": self._model_params + self._others}])
 
     def _ampx_cast_grads_(self, factor=None, found_inf=None, flags=None):

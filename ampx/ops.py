@@ -367,8 +367,9 @@ def update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_facto
     return scale
 
 
-def _scaler_pass(tensors, mode_reduce, factor, found_inf, flags, write, refuse_fp16):
-    """The scaler's one pass over its gradients (private).
+def _scaler_pass(tensors, mode_reduce, factor, found_inf, flags, write, refuse_fp16, device):
+    """The scaler's one pass over its gradients (private), on ``device`` (a CUDA index, or -1
+    for the CPU): the scaler has already split its gradients by device.
 
     write=True: unscale in place (and reduce if mode_reduce); write=False:
     read-only check (and norm of the products with factor if mode_reduce).
@@ -381,10 +382,9 @@ def _scaler_pass(tensors, mode_reduce, factor, found_inf, flags, write, refuse_f
     elif mode_reduce and factor is not None:
         mode |= _SCALE
     op = "ampx.GradScaler"
-    dev = _cuda_device(tensors)
-    total = _outputs(tensors, False, dev)[0] if mode_reduce else None
+    total = _outputs(tensors, False, device)[0] if mode_reduce else None
     _C.scale_reduce(op, tensors, mode, factor=factor, found_inf=found_inf, flags=flags, out=total,
-                    refuse_fp16=refuse_fp16, **_on(op, dev))
+                    refuse_fp16=refuse_fp16, **_on(op, device))
     return total
 
 

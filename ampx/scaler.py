@@ -108,7 +108,8 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
 
     @staticmethod
     def _params_with_grads(optimizer):
-        """(params, grads) for the optimizer's parameters whose .grad is set, in order. For
+        """(params, grads, devices) for the optimizer's parameters whose .grad is set, in order;
+        devices is None when every grad is on one device, else each grad's device key. For
         ``ampx.MasterWeights`` these are the model's gradients, before they reach the masters."""
         if isinstance(optimizer, MasterWeights):
             return optimizer._ampx_grads()
@@ -152,7 +153,7 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
         stream, with no host sync). Gradients spread over several devices (model parallel,
         CPU offload) take one call per device.
         """
-        params, grads = self._params_with_grads(optimizer)
+        params, grads, devices = self._params_with_grads(optimizer)
         if self._sharded or isinstance(optimizer, MasterWeights):
             # torch's ShardedGradScaler allows fp16 (FSDP may keep fp16 gradients); with master
             # weights fp16 gradients are unscaled on their way into float32 masters (Apex O2)
@@ -166,18 +167,10 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
                 return {}, total
             found_inf, total = agree(found_inf if need_found else None, total, reduce, self.process_group)
             return ({} if found_inf is None else {found_inf.device: found_inf}), total
-        try:
-            parts = [self._device_pass(optimizer, params, grads, inv_scale, found_inf, allow_fp16, write, reduce)]
-        except ValueError as e:
-            if isinstance(e, _C.LayoutError) or len({g.device for g in grads}) < 2:
-                raise
-            by_dev = {}
-            for p, g in zip(params, grads):
-                ps, gs = by_dev.setdefault(g.device, ([], []))
-                ps.append(p)
-                gs.append(g)
-            parts = [self._device_pass(optimizer, ps, gs, inv_scale, found_inf, allow_fp16, write, reduce)
-                     for ps, gs in by_dev.values()]
+        # The split by device is decided here, once, from what collect_grads saw: one kernel
+        # call per device, each told its device, and the results combined below.
+        parts = [self._device_pass(optimizer, ps, gs, inv_scale, found_inf, allow_fp16, write, reduce)
+                 for ps, gs in _by_device(params, grads, devices)]
         self._flag_sources[id(optimizer)] = [(ps, fl) for ps, fl, _, _, _ in parts]
         self._last_grads = parts[0][2] if len(parts) == 1 else [g for _, _, gs, _, _ in parts for g in gs]
         per_device = {}
@@ -204,6 +197,7 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
             if isinstance(inv_scale, torch.Tensor):
                 inv_scale = inv_scale.to(dev, non_blocking=True)
         flags = torch.zeros(len(params), dtype=torch.uint8, device=dev)
+        index = dev.index if dev.type == "cuda" else -1  # anything else: the CPU call names it
         total = None
         if write and isinstance(optimizer, MasterWeights):
             # model gradients -> master gradients, unscaled and checked, in one cast pass
@@ -211,10 +205,10 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
         else:
             with torch.no_grad():
                 try:
-                    total = ops._scaler_pass(grads, reduce, inv_scale, found, flags, write, not allow_fp16)
+                    total = ops._scaler_pass(grads, reduce, inv_scale, found, flags, write, not allow_fp16, index)
                 except _C.LayoutError:
                     grads = self._dense_views(params, allow_fp16, bool(reduce))
-                    total = ops._scaler_pass(grads, reduce, inv_scale, found, flags, write, not allow_fp16)
+                    total = ops._scaler_pass(grads, reduce, inv_scale, found, flags, write, not allow_fp16, index)
         if reduce and total is None:
             total = torch.zeros((), dtype=torch.float32, device=dev)
         return params, flags, grads, found, total
@@ -305,7 +299,7 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
         torch's own clip."""
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
-        params, _ = self._params_with_grads(optimizer)
+        params, _, _ = self._params_with_grads(optimizer)
         total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
         state["clipped"] = True
         self._last_norm = total
@@ -554,6 +548,18 @@ class ShardedGradScaler(GradScaler):
                          backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled,
                          process_group=process_group, **extras)
         self._sharded = True
+
+
+def _by_device(params, grads, devices):
+    """[(params, grads)] per device, in first-seen order (one pair when devices is None)."""
+    if devices is None:
+        return [(params, grads)]
+    groups = {}
+    for p, g, d in zip(params, grads, devices):
+        ps, gs = groups.setdefault(d, ([], []))
+        ps.append(p)
+        gs.append(g)
+    return list(groups.values())
 
 
 def _clip_coef(max_norm, total):

@@ -143,6 +143,34 @@ static int cuda_device_of(mstate *st, PyObject *t, int *index)
     return 0;
 }
 
+int tensor_device_key(mstate *st, PyObject *t, int *key)
+{
+    ampx_shim_meta m;
+    if (ampx_shim_enabled() &&
+        (Py_TYPE(t) == (PyTypeObject *)st->tensor_type || Py_TYPE(t) == (PyTypeObject *)st->param_type)) {
+        /* The shim fills the device even for tensors it leaves to the slow path. */
+        m.device_type = -1;
+        m.device_index = -1;
+        (void)ampx_shim_read(t, &m);
+        if (m.device_type == AMPX_SHIM_CPU || (m.device_type == AMPX_SHIM_CUDA && m.device_index >= 0)) {
+            *key = m.device_type == AMPX_SHIM_CPU ? AMPX_DEVICE_CPU : m.device_index;
+            return 0;
+        }
+    }
+    int cpu = 0;
+    if (take_bool(hot_attr(st, A_IS_CPU, t), &cpu) < 0)
+        return -1;
+    if (cpu) {
+        *key = AMPX_DEVICE_CPU;
+        return 0;
+    }
+    int index = -1;
+    if (cuda_device_of(st, t, &index) < 0)
+        return -1;
+    *key = index >= 0 ? index : AMPX_DEVICE_OTHER;
+    return 0;
+}
+
 /* Checks that `what` (tensor t) is on CUDA device `device`; else the ValueError. */
 static int check_cuda_device(mstate *st, const char *op, const char *what, PyObject *t, int device)
 {

@@ -18,6 +18,13 @@
 
 #include "state.h"
 
+/* Device keys of tensor_device_key: a CUDA device's index, or one of these. */
+enum { AMPX_DEVICE_CPU = -1, AMPX_DEVICE_OTHER = -2 };
+
+/* Where tensor t lives, as a device key (meta, XLA, ... are AMPX_DEVICE_OTHER):
+ * through the torch C shim for plain tensors, else the attributes. */
+int tensor_device_key(mstate *st, PyObject *t, int *key);
+
 /* Calls obj.<name>() (new reference, NULL on error). */
 PyObject *call0(PyObject *obj, PyObject *name);
 

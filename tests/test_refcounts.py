@@ -28,7 +28,10 @@ def _calls():
     params[0].grad = torch.ones(3)
     params[2].grad = torch.ones(3)
     groups = [{"params": params[:2]}, {"params": params[2:]}]
-    objs = [x, y, h, fi, fl, inv, scale, tracker, hyst] + dst + shared + params + [p.grad for p in params[::2]]
+    meta = torch.nn.Parameter(torch.zeros(3, device="meta"))
+    meta.grad = torch.zeros(3, device="meta")
+    mixed = [{"params": params + [meta]}]  # grads on two devices: collect_grads lists them
+    objs = [x, y, h, fi, fl, inv, scale, tracker, hyst, meta] + dst + shared + params + [p.grad for p in params[::2]]
     calls = [
         ("unscale_", lambda: ops.unscale_([x, y, h], inv, fi, flags=fl)),
         ("unscale_alias", lambda: ops.unscale_([x, x, y], 1.0, fi)),
@@ -39,6 +42,7 @@ def _calls():
         ("cast_", lambda: ops.cast_([x, y.t().contiguous().t(), h], dst, inv_scale=inv, found_inf=fi)),
         ("cast_sr", lambda: ops.cast_([x], [dst[0]], rounding="stochastic", seed=1, offset=2)),
         ("collect_grads", lambda: ampx._C.collect_grads(groups)),
+        ("collect_grads_mixed", lambda: ampx._C.collect_grads(mixed)),
         ("update_scale_", lambda: ops.update_scale_(scale, tracker, fi, 2.0, 0.5, 10, hysteresis=2,
                                                      hysteresis_tracker=hyst)),
     ]
@@ -55,7 +59,7 @@ def _calls():
     return objs, calls, bad
 
 
-@pytest.mark.parametrize("index", range(10))
+@pytest.mark.parametrize("index", range(11))
 def test_no_reference_leaks_on_success(index):
     objs, calls, _ = _calls()
     name, fn = calls[index]

@@ -307,3 +307,56 @@ def test_state_dict_extras_round_trip_and_pickle():
     assert t.state_dict() == sd
     u = pickle.loads(pickle.dumps(s))
     assert u.state_dict() == sd
+
+
+# ---- one way down: the scaler splits by device once, from what collect_grads saw ----------
+
+@pytest.mark.parametrize("shim", [True, False])
+def test_collect_grads_says_where_the_grads_are(shim):
+    prev = ampx._C._set_tensor_shim(shim)
+    try:
+        a, b, c = (torch.nn.Parameter(torch.zeros(2)) for _ in range(3))
+        a.grad, c.grad = torch.ones(2), torch.ones(2)
+        params, grads, devices = ampx._C.collect_grads([{"params": [a, b]}, {"params": [c]}])
+        assert params == [a, c] and grads[0] is a.grad and devices is None  # one device
+        m = torch.nn.Parameter(torch.zeros(2, device="meta"))
+        m.grad = torch.zeros(2, device="meta")
+        sub = torch.nn.Parameter(torch.zeros(2))
+        sub.grad = torch.ones(4)[::2]  # a non-contiguous view: the shim leaves it to the attributes
+        _, _, devices = ampx._C.collect_grads([{"params": [a, m, sub, c]}])
+        assert devices == [-1, -2, -1, -1]
+        assert ampx._C.collect_grads([{"params": [m, a]}])[2] == [-2, -1]
+        assert ampx._C.collect_grads([{"params": []}]) == ([], [], None)
+    finally:
+        ampx._C._set_tensor_shim(prev)
+
+
+def test_each_device_gets_one_kernel_call(monkeypatch):
+    """The scaler's list goes down once per device: no failed first try, no second dispatch."""
+    from ampx import ops
+
+    calls = []
+    real = ops._scaler_pass
+
+    def spy(tensors, *args):
+        calls.append((len(tensors), args[-1]))
+        return real(tensors, *args)
+
+    monkeypatch.setattr(ops, "_scaler_pass", spy)
+    model = _model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampx.GradScaler("cpu")
+    scaler.scale(model(torch.randn(4, 16)).sum()).backward()
+    scaler.clip_grad_norm_(opt, 1.0)
+    scaler.step(opt)
+    scaler.update()
+    assert calls[0] == (4, -1) and all(c == (4, -1) for c in calls)  # CPU, all four grads each time
+    # Gradients on two devices: one call per device, in first-seen order, each told its device.
+    calls.clear()
+    extra = torch.nn.Parameter(torch.zeros(3, device="meta"))
+    extra.grad = torch.zeros(3, device="meta")
+    opt.add_param_group({"params": [extra]})
+    scaler.scale(model(torch.randn(4, 16)).sum()).backward()
+    with pytest.raises(ValueError, match="meta"):
+        scaler.unscale_(opt)
+    assert calls == [(4, -1), (1, -1)]

@@ -140,7 +140,7 @@ def test_fp16_refusal_and_type_errors_are_the_same(reader):
     from ampx.ops import _scaler_pass
 
     with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients."):
-        _scaler_pass([torch.randn(3), torch.randn(2).half()], 0, 1.0, torch.zeros(1), None, True, True)
+        _scaler_pass([torch.randn(3), torch.randn(2).half()], 0, 1.0, torch.zeros(1), None, True, True, -1)
     with pytest.raises(TypeError, match=r"tensors\[1\] has dtype torch.int64"):
         ops.mul_([torch.randn(2), torch.arange(3)], 2.0)
     with pytest.raises(ValueError, match=r"tensors\[0\] is on device meta"):
