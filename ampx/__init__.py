@@ -33,7 +33,16 @@ from . import cuda, ops  # noqa: E402
 from .master import MasterWeights  # noqa: E402
 from .policy import PerformanceWarning, Policy  # noqa: E402
 from .prepare import prepare  # noqa: E402  (the function; the module is sys.modules['ampx.prepare'])
-from .scaler import GradScaler, OverflowReport, ShardedGradScaler  # noqa: E402
+from .scaler import GradScaler, OverflowReport  # noqa: E402
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # ampx.ShardedGradScaler is imported on first use (ampx/sharded_scaler.py says why).
+    if name == "ShardedGradScaler":
+        from .sharded_scaler import ShardedGradScaler
+
+        return ShardedGradScaler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 __all__ = ["ops", "cuda", "GradScaler", "ShardedGradScaler", "OverflowReport", "MasterWeights", "Policy", "PerformanceWarning", "prepare", "__version__"]

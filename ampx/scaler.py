@@ -18,6 +18,8 @@ from .telemetry import OverflowReport, TelemetryMixin, _LazySkip
 
 __all__ = ["GradScaler", "ShardedGradScaler", "OverflowReport"]
 
+_TorchScaler = torch.amp.GradScaler
+
 _ORD = {2.0: _C.REDUCE_SUMSQ, 1.0: _C.REDUCE_SUMABS, math.inf: _C.REDUCE_MAXABS}
 _MIN_SCALE_ACTIONS = ("warn", "raise", "ignore")
 
@@ -62,7 +64,9 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
                  growth_interval=2000, enabled=True, *, hysteresis=1, consecutive_hysteresis=False,
                  min_scale=None, max_scale=None, on_min_scale="warn", dynamic=True,
                  named_parameters=None, history=1000, on_overflow=None, process_group=None):
-        super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+        # torch's own methods are named, not reached through super(): ampx.ShardedGradScaler
+        # also derives from torch's ShardedGradScaler, whose overrides must not run here.
+        _TorchScaler.__init__(self, device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
         self._per_optimizer_states = _fresh_states()  # torch's has only torch's keys
         self.process_group = process_group
         self._sharded = process_group is not None
@@ -377,7 +381,7 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
         state = self._per_optimizer_states[id(optimizer)]
         if state["inf_checked"] and state["stage"] is OptState.READY:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        super().unscale_(optimizer)
+        _TorchScaler.unscale_(self, optimizer)
 
     def step(self, optimizer, *args, **kwargs):
         """Steps the optimizer unless its gradients held inf/NaN; returns what its step returns.
@@ -443,7 +447,7 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
             return
         scale, tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
-            super().update(new_scale)
+            _TorchScaler.update(self, new_scale)
             self._per_optimizer_states = _fresh_states()  # torch's has only torch's keys
             self._record(skipped=False)
             return
@@ -531,23 +535,13 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
         self._per_optimizer_states = _fresh_states()
 
 
-class ShardedGradScaler(GradScaler):
-    """A drop-in for ``torch.distributed.fsdp.ShardedGradScaler``, on ampx's kernels.
+def __getattr__(name):
+    # ShardedGradScaler lives in its own module, imported on first use (see there why).
+    if name == "ShardedGradScaler":
+        from .sharded_scaler import ShardedGradScaler
 
-    Same constructor as torch's class (note its order: ``backoff_factor`` before
-    ``growth_factor``), same default group (the default process group, looked up at each step),
-    and, as there, gradients may be float16. Unlike torch's class, one collective per step
-    carries both the overflow flag and the norm that ``clip_grad_norm_`` needs, and the
-    extras of ``ampx.GradScaler`` are available as keyword arguments. Without an initialised
-    process group it acts on one process and issues no collective.
-    """
-
-    def __init__(self, device="cuda", init_scale=2.0**16, backoff_factor=0.5, growth_factor=2.0,
-                 growth_interval=2000, enabled=True, process_group=None, **extras):
-        super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
-                         backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled,
-                         process_group=process_group, **extras)
-        self._sharded = True
+        return ShardedGradScaler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _by_device(params, grads, devices):

@@ -360,3 +360,29 @@ def test_each_device_gets_one_kernel_call(monkeypatch):
     with pytest.raises(ValueError, match="meta"):
         scaler.unscale_(opt)
     assert calls == [(4, -1), (1, -1)]
+
+
+# ---- ShardedGradScaler: torch's class identity and signatures -------------------------------
+
+def test_sharded_scaler_is_torchs_sharded_scaler_too():
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchSharded
+
+    s = ampx.ShardedGradScaler("cpu", init_scale=8.0, backoff_factor=0.25, growth_factor=4.0)
+    assert isinstance(s, TorchSharded) and isinstance(s, ampx.GradScaler)
+    # torch's argument order, and none of torch's sharded overrides in charge
+    assert (s.get_backoff_factor(), s.get_growth_factor()) == (0.25, 4.0)
+    for name in ("update", "unscale_", "_unscale_grads_", "scale"):
+        assert getattr(type(s), name).__module__.startswith(("ampx", "torch.amp")), name
+
+
+def test_sharded_unscale_grads_has_torchs_default_allow_fp16():
+    """torch's own sharded-scaler tests call _unscale_grads_(opt, inv, found) on fp16 grads."""
+    p = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
+    p.grad = torch.tensor([2.0, 4.0, 8.0, float("inf")], dtype=torch.float16)
+    opt = torch.optim.SGD([p], lr=0.1)
+    s = ampx.ShardedGradScaler("cpu")
+    found = s._unscale_grads_(opt, torch.full((), 0.5), torch.zeros(()))
+    assert torch.equal(p.grad[:3], torch.tensor([1.0, 2.0, 4.0], dtype=torch.float16))
+    assert float(sum(found.values())) == 1.0
+    with pytest.raises(ValueError, match="FP16"):
+        ampx.GradScaler("cpu")._unscale_grads_(opt, torch.full((), 0.5), torch.zeros(()), False)
