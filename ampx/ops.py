@@ -321,12 +321,41 @@ def cast_(src, dst, *, inv_scale=None, found_inf=None, flags=None, rounding="nea
             seed=seed, offset=offset, **_on(op, dev))
 
 
+def _is_real(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_count(x):
+    return isinstance(x, int) and not isinstance(x, bool) or (isinstance(x, float) and x.is_integer())
+
+
+def check_scale_rule(op, *, growth_factor=2.0, backoff_factor=0.5, growth_interval=1, hysteresis=1,
+                     min_scale=0.0, max_scale=math.inf):
+    """Raises ValueError, naming ``op``, the argument and the rule, for settings the scale
+    update cannot honour. The one set of rules for update_scale_, GradScaler's constructor and
+    its load_state_dict (which passes "state_dict['<key>']"-style names through ``op``)."""
+    def bad(name, value, rule):
+        raise ValueError(f"{op}: {name} must be {rule}, not {value!r}")
+
+    if not (_is_real(growth_factor) and 1.0 <= growth_factor < math.inf):
+        bad("growth_factor", growth_factor, "a finite number >= 1")
+    if not (_is_real(backoff_factor) and 0.0 < backoff_factor <= 1.0):
+        bad("backoff_factor", backoff_factor, "a number in (0, 1]")
+    if not (_is_count(growth_interval) and growth_interval >= 1):
+        bad("growth_interval", growth_interval, "an integer >= 1")
+    if not (_is_count(hysteresis) and hysteresis >= 1):
+        bad("hysteresis", hysteresis, "an integer >= 1")
+    if not (_is_real(min_scale) and 0.0 <= min_scale < math.inf):
+        bad("min_scale", min_scale, "a finite number >= 0")
+    if not (_is_real(max_scale) and max_scale >= min_scale):
+        bad("max_scale", max_scale, f"a number >= min_scale ({min_scale!r}), inf for none")
+
+
 def _update_scale_events(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval,
                          hysteresis, hysteresis_tracker, consecutive_hysteresis, min_scale, max_scale):
     """The update; returns its events (AMPX_UPD_* bits): an int on the CPU, and for a CUDA
-    ``scale`` a 0-dim int32 tensor on its device, written by the kernel (reading it waits)."""
-    if hysteresis < 1:
-        raise ValueError(f"ampx.ops.update_scale_: hysteresis must be >= 1, not {hysteresis}")
+    ``scale`` a 0-dim int32 tensor on its device, written by the kernel (reading it waits).
+    The settings are the caller's to check (``check_scale_rule``)."""
     if hysteresis > 1 and hysteresis_tracker is None:
         raise ValueError("ampx.ops.update_scale_: hysteresis > 1 needs a hysteresis_tracker (int32, 1 element)")
     dev = scale.get_device() if isinstance(scale, torch.Tensor) and scale.is_cuda else -1
@@ -359,9 +388,14 @@ def update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_facto
     one-thread kernel on the current stream: nothing waits for the device.
 
     Raises:
-        TypeError, ValueError: a tensor of the wrong dtype, size or device;
-        hysteresis < 1, or > 1 without a tracker.
+        TypeError, ValueError: a tensor of the wrong dtype, size or device; a
+        setting the rule cannot honour (growth_factor < 1, backoff_factor outside
+        (0, 1], growth_interval or hysteresis < 1, NaN or negative bounds,
+        min_scale > max_scale); hysteresis > 1 without a tracker.
     """
+    check_scale_rule("ampx.ops.update_scale_", growth_factor=growth_factor, backoff_factor=backoff_factor,
+                     growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale,
+                     max_scale=max_scale)
     _update_scale_events(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval,
                          hysteresis, hysteresis_tracker, consecutive_hysteresis, min_scale, max_scale)
     return scale

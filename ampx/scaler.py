@@ -54,7 +54,9 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
 
     Raises:
         AssertionError: growth_factor <= 1 or backoff_factor >= 1 (torch's check).
-        ValueError: a bad extra (hysteresis < 1, min_scale > max_scale, unknown on_min_scale).
+        ValueError: a bad extra (hysteresis not an integer >= 1, a NaN or negative bound,
+            min_scale > max_scale, unknown on_min_scale), a negative or NaN init_scale, or a
+            negative backoff_factor. torch's settings otherwise follow torch's rules exactly.
     """
 
     # Tests set this to run the device-side (deferred) telemetry path on a CPU scale.
@@ -70,12 +72,16 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
         self._per_optimizer_states = _fresh_states()  # torch's has only torch's keys
         self.process_group = process_group
         self._sharded = process_group is not None
-        if int(hysteresis) != hysteresis or hysteresis < 1:
-            raise ValueError(f"hysteresis must be an integer >= 1, not {hysteresis!r}")
         lo = 0.0 if min_scale is None else float(min_scale)
         hi = math.inf if max_scale is None else float(max_scale)
-        if not (0.0 <= lo <= hi):
-            raise ValueError(f"need 0 <= min_scale <= max_scale, got min_scale={min_scale}, max_scale={max_scale}")
+        # torch's own settings follow torch's rules (its asserts above), so every configuration
+        # torch takes works the same here; the extras follow ampx's, and a scale must be a number
+        # the bounds can work with.
+        if not (ops._is_real(init_scale) and init_scale >= 0.0):
+            raise ValueError(f"ampx.GradScaler: init_scale must be a number >= 0, not {init_scale!r}")
+        if not backoff_factor >= 0.0:  # torch only asserts < 1; a negative one flips the scale's sign
+            raise ValueError(f"ampx.GradScaler: backoff_factor must be a number in [0, 1), not {backoff_factor!r}")
+        ops.check_scale_rule("ampx.GradScaler", hysteresis=hysteresis, min_scale=lo, max_scale=hi)
         if on_min_scale not in _MIN_SCALE_ACTIONS:
             raise ValueError(f"on_min_scale must be one of {_MIN_SCALE_ACTIONS}, not {on_min_scale!r}")
         self._hysteresis = int(hysteresis)
@@ -500,19 +506,66 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
         return sd
 
     def load_state_dict(self, state_dict):
-        """Loads a state_dict from ampx or from torch.amp.GradScaler (extras keep their values)."""
-        super().load_state_dict(state_dict)
+        """Loads a state_dict from ampx or from torch.amp.GradScaler (extras keep their values).
+
+        The whole dict is checked against the constructor's rules before anything changes: a
+        bad checkpoint raises one error naming the key and the rule, and leaves the scaler as
+        it was (KeyError for a missing torch key, ValueError for a bad value)."""
         if not self._enabled:
             return
-        self._hysteresis = int(state_dict.get("hysteresis", self._hysteresis))
-        self._consecutive_hysteresis = bool(state_dict.get("consecutive_hysteresis", self._consecutive_hysteresis))
-        self._min_scale = float(state_dict.get("min_scale", self._min_scale))
-        self._max_scale = float(state_dict.get("max_scale", self._max_scale))
-        self._dynamic = bool(state_dict.get("dynamic", self._dynamic))
-        h = int(state_dict.get("_hysteresis_tracker", self._hysteresis))
-        self._init_hysteresis_tracker = h
+        if len(state_dict) == 0:
+            return super().load_state_dict(state_dict)  # torch's error for a disabled scaler's dict
+        new = self._checked_state(state_dict)
+        super().load_state_dict(state_dict)
+        self._hysteresis = new["hysteresis"]
+        self._consecutive_hysteresis = new["consecutive_hysteresis"]
+        self._min_scale = new["min_scale"]
+        self._max_scale = new["max_scale"]
+        self._dynamic = new["dynamic"]
+        self._init_hysteresis_tracker = new["_hysteresis_tracker"]
         if self._hysteresis_tracker is not None:
-            self._hysteresis_tracker.fill_(h)
+            self._hysteresis_tracker.fill_(new["_hysteresis_tracker"])
+
+    def _checked_state(self, sd):
+        """ampx's settings as ``load_state_dict`` would leave them, after checking every key."""
+        op = "ampx.GradScaler.load_state_dict"
+        for key in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"):
+            if key not in sd:
+                raise KeyError(f"{op}: the state_dict has no {key!r} (torch's scaler keys are scale, "
+                               "growth_factor, backoff_factor, growth_interval and _growth_tracker)")
+        new = {"hysteresis": sd.get("hysteresis", self._hysteresis),
+               "consecutive_hysteresis": sd.get("consecutive_hysteresis", self._consecutive_hysteresis),
+               "min_scale": sd.get("min_scale", self._min_scale), "max_scale": sd.get("max_scale", self._max_scale),
+               "dynamic": sd.get("dynamic", self._dynamic)}
+        new["_hysteresis_tracker"] = sd.get("_hysteresis_tracker", new["hysteresis"])
+
+        def bad(key, rule):
+            raise ValueError(f"{op}: state_dict[{key!r}] must be {rule}, not {sd.get(key)!r}")
+
+        if not (ops._is_real(sd["scale"]) and sd["scale"] >= 0.0):
+            bad("scale", "a number >= 0 (as the constructor's init_scale)")
+        if not (ops._is_real(sd["growth_factor"]) and sd["growth_factor"] > 1.0):
+            bad("growth_factor", "a number > 1 (torch's rule)")
+        if not (ops._is_real(sd["backoff_factor"]) and 0.0 <= sd["backoff_factor"] < 1.0):
+            bad("backoff_factor", "a number in [0, 1)")
+        if not ops._is_count(sd["growth_interval"]):
+            bad("growth_interval", "an integer")
+        if not (ops._is_count(sd["_growth_tracker"]) and sd["_growth_tracker"] >= 0):
+            bad("_growth_tracker", "an integer >= 0")
+        for key in ("consecutive_hysteresis", "dynamic"):
+            if not isinstance(new[key], bool):
+                bad(key, "True or False")
+        try:
+            ops.check_scale_rule(op, hysteresis=new["hysteresis"], min_scale=new["min_scale"],
+                                 max_scale=new["max_scale"])
+        except ValueError as e:  # name the key as it is in the dict
+            raise ValueError(str(e).replace(f"{op}: ", f"{op}: state_dict's ", 1)) from None
+        tracker = new["_hysteresis_tracker"]
+        if not (ops._is_count(tracker) and 1 <= tracker <= new["hysteresis"]):
+            bad("_hysteresis_tracker", f"an integer from 1 to hysteresis ({new['hysteresis']})")
+        new.update(hysteresis=int(new["hysteresis"]), _hysteresis_tracker=int(tracker),
+                   min_scale=float(new["min_scale"]), max_scale=float(new["max_scale"]))
+        return new
 
     def __getstate__(self):
         state = super().__getstate__()

@@ -386,3 +386,93 @@ def test_sharded_unscale_grads_has_torchs_default_allow_fp16():
     assert float(sum(found.values())) == 1.0
     with pytest.raises(ValueError, match="FP16"):
         ampx.GradScaler("cpu")._unscale_grads_(opt, torch.full((), 0.5), torch.zeros(()), False)
+
+
+# ---- load_state_dict: the whole dict checked before anything changes ------------------------
+
+def _loaded_scaler():
+    s = ampx.GradScaler("cpu", init_scale=256.0, growth_interval=3, hysteresis=3, min_scale=2.0, max_scale=2.0**20)
+    s.scale(torch.ones(()))  # the scale tensors exist, as in a run
+    return s
+
+
+def _everything(s):
+    return (s.state_dict(), float(s._scale), int(s._growth_tracker), int(s._hysteresis_tracker),
+            s._init_scale, s._init_growth_tracker, s._init_hysteresis_tracker)
+
+
+@pytest.mark.parametrize("key,value,error,match", [
+    ("scale", -4.0, ValueError, r"state_dict\['scale'\] must be a number >= 0"),
+    ("scale", float("nan"), ValueError, "'scale'"),
+    ("scale", "big", ValueError, "'scale'"),
+    ("growth_factor", 0.5, ValueError, "growth_factor.*> 1"),
+    ("backoff_factor", -1.0, ValueError, "backoff_factor"),
+    ("growth_interval", 2.5, ValueError, "growth_interval"),
+    ("_growth_tracker", -1, ValueError, "_growth_tracker"),
+    ("hysteresis", "x", ValueError, "hysteresis must be an integer >= 1"),
+    ("hysteresis", 0, ValueError, "hysteresis"),
+    ("hysteresis", -2, ValueError, "hysteresis"),
+    ("hysteresis", 2.7, ValueError, "hysteresis"),
+    ("min_scale", "x", ValueError, "min_scale"),
+    ("min_scale", float("nan"), ValueError, "min_scale"),
+    ("min_scale", 2.0**30, ValueError, "max_scale must be a number >= min_scale"),
+    ("dynamic", "False", ValueError, r"state_dict\['dynamic'\] must be True or False"),
+    ("consecutive_hysteresis", 1, ValueError, "consecutive_hysteresis"),
+    ("_hysteresis_tracker", None, ValueError, "_hysteresis_tracker"),
+    ("_hysteresis_tracker", 5, ValueError, r"from 1 to hysteresis \(3\)"),
+    ("scale", None, KeyError, "has no 'scale'"),
+])
+def test_a_bad_checkpoint_changes_nothing(key, value, error, match):
+    good = _loaded_scaler()
+    for _ in range(2):
+        good.update(good.get_scale() * 2)
+    sd = good.state_dict()
+    if value is None and error is KeyError:
+        del sd[key]
+    else:
+        sd[key] = value
+    s = _loaded_scaler()
+    before = _everything(s)
+    with pytest.raises(error, match=match):
+        s.load_state_dict(sd)
+    assert _everything(s) == before
+    s.load_state_dict(good.state_dict())  # and a good one still loads afterwards
+    assert s.get_scale() == good.get_scale()
+
+
+def test_torchs_state_dict_loads_and_keeps_the_extras():
+    t = torch.amp.GradScaler("cpu", init_scale=64.0)
+    s = _loaded_scaler()
+    s.load_state_dict(t.state_dict())
+    assert s.get_scale() == 64.0 and s._hysteresis == 3 and s._min_scale == 2.0
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"growth_factor": 0.5}, "growth_factor must be a finite number >= 1"),
+    ({"growth_factor": math.inf}, "growth_factor"),
+    ({"backoff_factor": -1.0}, r"backoff_factor must be a number in \(0, 1\]"),
+    ({"backoff_factor": 0.0}, "backoff_factor"),
+    ({"growth_interval": 0}, "growth_interval"),
+    ({"min_scale": 4.0, "max_scale": 2.0}, "max_scale must be a number >= min_scale"),
+    ({"min_scale": math.nan}, "min_scale"),
+    ({"max_scale": math.nan}, "max_scale"),
+    ({"hysteresis": 0}, "hysteresis"),
+])
+def test_update_scale_refuses_settings_it_cannot_honour(kw, match):
+    from ampx import ops
+
+    scale, tracker = torch.tensor([8.0]), torch.zeros(1, dtype=torch.int32)
+    args = {"growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3}
+    extra = {k: v for k, v in kw.items() if k not in args}
+    args.update({k: v for k, v in kw.items() if k in args})
+    with pytest.raises(ValueError, match="ampx.ops.update_scale_: " + match):
+        ops.update_scale_(scale, tracker, torch.ones(1), args["growth_factor"], args["backoff_factor"],
+                          args["growth_interval"], **extra)
+    assert scale.item() == 8.0 and tracker.item() == 0
+
+
+@pytest.mark.parametrize("kw", [{"init_scale": -1.0}, {"init_scale": math.nan}, {"min_scale": math.nan},
+                                {"max_scale": -1.0}, {"hysteresis": 2.5}, {"backoff_factor": -1.0}])
+def test_constructor_refuses_what_load_state_dict_refuses(kw):
+    with pytest.raises(ValueError):
+        ampx.GradScaler("cpu", **kw)
