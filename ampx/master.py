@@ -234,8 +234,10 @@ class MasterWeights(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict):
-        """Loads a ``state_dict()`` of a MasterWeights over the same parameters; the model's
-        parameters are then the masters rounded to nearest."""
+        """Loads a ``state_dict()`` of a MasterWeights over the same parameters. The model's
+        parameters are then written from the masters exactly as the saved run last wrote them
+        (the same rounding, and for stochastic rounding the same seed and offset), so they match
+        the saved model bit for bit whether the model is loaded before or after this."""
         state_dict = dict(state_dict)
         extra = state_dict.pop("ampx_master_weights", None)
         if extra is None:
@@ -247,10 +249,18 @@ class MasterWeights(torch.optim.Optimizer):
         for i, (m, saved) in enumerate(zip(self._masters, masters)):
             if m.shape != saved.shape:
                 raise ValueError(f"master {i}: saved shape {tuple(saved.shape)}, expected {tuple(m.shape)}")
+        steps, seed = int(extra.get("steps", 0)), int(extra.get("seed", self.seed))
+        rounding = extra.get("rounding", self.rounding)
+        if rounding not in ("nearest", "stochastic") or steps < 0:
+            raise ValueError(f"ampx_master_weights holds rounding={rounding!r}, steps={steps}: not a "
+                             "MasterWeights checkpoint")
         self.optimizer.load_state_dict(state_dict)
+        self._steps, self.seed = steps, seed
         with torch.no_grad():
             for m, saved in zip(self._masters, masters):
                 m.copy_(saved)
-            self._write_back("nearest", 0)
-        self._steps = int(extra.get("steps", 0))
-        self.seed = int(extra.get("seed", self.seed))
+            # The last write-back of the saved run: step steps-1's, with its rounding and offset.
+            if rounding == "stochastic" and steps > 0:
+                self._write_back("stochastic", steps - 1)
+            else:
+                self._write_back("nearest", 0)
