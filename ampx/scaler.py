@@ -100,7 +100,11 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
         # Per optimizer, for the overflow report: (params, per-tensor flags) of the last pass.
         self._flag_sources = {}
         self._last_grads = None
-        self._clip_active = {}  # per optimizer: did its last clip_grad_norm_ scale (coef < 1)?
+        # Per optimizer, in the order they were first clipped: did its last clip_grad_norm_ scale
+        # (coef < 1)? Saved in state_dict as a list in that order; a loaded list waits in
+        # _clip_hints_loaded for the optimizers of the resumed run, taken in the same order.
+        self._clip_active = {}
+        self._clip_hints_loaded = []
 
     # ---- set-up -----------------------------------------------------------------------
 
@@ -294,6 +298,9 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
         plain = not (getattr(optimizer, "_step_supports_amp_scaling", False) or isinstance(optimizer, MasterWeights))
         on_cpu = self._scale.device.type == "cpu"
         hints = self.__dict__.setdefault("_clip_active", {})  # (absent from older pickles)
+        loaded = self.__dict__.setdefault("_clip_hints_loaded", [])
+        if id(optimizer) not in hints and loaded:
+            hints[id(optimizer)] = loaded.pop(0)  # a resumed run takes the same route as the saved one
         if state["stage"] is OptState.READY and plain and on_cpu and not hints.get(id(optimizer), True):
             total, coef = self._clip_unscaling_first(optimizer, state, max_norm, reduce, norm_type,
                                                      error_if_nonfinite)
@@ -502,6 +509,9 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
             "max_scale": self._max_scale,
             "dynamic": self._dynamic,
             "_hysteresis_tracker": self._get_hysteresis_tracker(),
+            # which clip route each optimizer's next step takes (it decides the last bits of
+            # the gradients, so an exact resume needs it)
+            "_clip_active": list(self.__dict__.get("_clip_active", {}).values()),
         })
         return sd
 
@@ -525,6 +535,8 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
         self._init_hysteresis_tracker = new["_hysteresis_tracker"]
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(new["_hysteresis_tracker"])
+        self._clip_active = {}
+        self._clip_hints_loaded = new["_clip_active"]
 
     def _checked_state(self, sd):
         """ampx's settings as ``load_state_dict`` would leave them, after checking every key."""
@@ -560,6 +572,10 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
                                  max_scale=new["max_scale"])
         except ValueError as e:  # name the key as it is in the dict
             raise ValueError(str(e).replace(f"{op}: ", f"{op}: state_dict's ", 1)) from None
+        hints = sd.get("_clip_active", [])
+        if not (isinstance(hints, (list, tuple)) and all(isinstance(h, bool) for h in hints)):
+            bad("_clip_active", "a list of True/False")
+        new["_clip_active"] = list(hints)
         tracker = new["_hysteresis_tracker"]
         if not (ops._is_count(tracker) and 1 <= tracker <= new["hysteresis"]):
             bad("_hysteresis_tracker", f"an integer from 1 to hysteresis ({new['hysteresis']})")
@@ -575,6 +591,9 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
         if self._enabled:
             self._drain(wait=True)
         state["_flag_sources"] = {}
+        # optimizer ids mean nothing in another process: the clip hints travel as in state_dict
+        state["_clip_hints_loaded"] = list(self.__dict__.get("_clip_active", {}).values())
+        state["_clip_active"] = {}
         state["_pending"] = deque()
         state["_last_grads"] = None
         # A process group cannot be pickled; a sharded scaler comes back on the default group.

@@ -476,3 +476,51 @@ def test_update_scale_refuses_settings_it_cannot_honour(kw, match):
 def test_constructor_refuses_what_load_state_dict_refuses(kw):
     with pytest.raises(ValueError):
         ampx.GradScaler("cpu", **kw)
+
+
+# ---- exact resume: the clip route travels with the checkpoint --------------------------------
+
+@pytest.mark.parametrize("opt_name", ["SGD", "Adam"])
+@pytest.mark.parametrize("via", ["state_dict", "pickle"])
+def test_resume_takes_the_same_clip_route(opt_name, via):
+    """Plain optimizers clip by one of two routes, chosen by whether the last step clipped; the
+    two differ in the last bit with a scale that is not a power of two, so a resumed run must
+    take the route the uninterrupted one takes."""
+    norms = [0.1, 0.2, 0.1, 5.0, 7.0, 0.3]  # steps 0-2 do not clip; the save is after step 2
+
+    def fresh():
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n)) for n in (37, 300, 5)]
+        return params, getattr(torch.optim, opt_name)(params, lr=0.1), ampx.GradScaler("cpu", init_scale=3000.0)
+
+    def run(params, opt, scaler, steps):
+        for k in steps:
+            scaler.scale(torch.ones(()))  # as the loss would be
+            gen = torch.Generator().manual_seed(k)
+            for p in params:
+                g = torch.randn(p.shape, generator=gen)
+                p.grad = g * (norms[k] / 3.0) * scaler.get_scale()
+            scaler.clip_grad_norm_(opt, 1.0)
+            scaler.step(opt)
+            scaler.update()
+
+    pa, oa, sa = fresh()
+    run(pa, oa, sa, range(6))
+    pb, ob, sb = fresh()
+    run(pb, ob, sb, range(3))
+    if via == "pickle":
+        blob = pickle.dumps(sb)
+    saved = ([p.detach().clone() for p in pb], ob.state_dict(), sb.state_dict())
+    pc, oc, sc = fresh()
+    with torch.no_grad():
+        for p, q in zip(pc, saved[0]):
+            p.copy_(q)
+    oc.load_state_dict(saved[1])
+    if via == "pickle":
+        sc = pickle.loads(blob)
+    else:
+        sc.load_state_dict(saved[2])
+    assert saved[2]["_clip_active"] == [False]
+    run(pc, oc, sc, range(3, 6))
+    for p, q in zip(pa, pc):
+        assert torch.equal(p, q)
