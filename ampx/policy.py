@@ -26,7 +26,7 @@ _DTYPES = {
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _SCALING = ("auto", "dynamic", "static", "none")
 _BACKENDS = ("auto", "none", "ddp", "fsdp", "fsdp2", "deepspeed")
-_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
+_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "growth_timing", "hysteresis",
                 "consecutive_hysteresis", "min_scale", "max_scale", "on_min_scale")
 
 
@@ -187,7 +187,7 @@ class Policy:
     def __init__(self, dtype="auto", loss_scaling="auto", master_weights=False, backend="auto", *,
                  device=None, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
                  growth_interval=2000, hysteresis=1, consecutive_hysteresis=False, min_scale=None,
-                 max_scale=None, on_min_scale="warn"):
+                 max_scale=None, on_min_scale="warn", growth_timing="torch"):
         self.device = _as_device(device)
         if loss_scaling not in _SCALING:
             raise ValueError(f"loss_scaling must be one of {_SCALING}, not {loss_scaling!r}")
@@ -210,7 +210,8 @@ class Policy:
         self.scaler_kwargs = dict(init_scale=init_scale, growth_factor=growth_factor,
                                   backoff_factor=backoff_factor, growth_interval=growth_interval,
                                   hysteresis=hysteresis, consecutive_hysteresis=consecutive_hysteresis,
-                                  min_scale=min_scale, max_scale=max_scale, on_min_scale=on_min_scale)
+                                  min_scale=min_scale, max_scale=max_scale, on_min_scale=on_min_scale,
+                                  growth_timing=growth_timing)
 
     # ---- choosing -----------------------------------------------------------------------
 
@@ -317,6 +318,14 @@ class Policy:
         The dynamic keys are always named: with none named DeepSpeed silently starts at 2**32
         without hysteresis.
 
+        What is and is not the same: DeepSpeed grows one step later than torch's rule (on the
+        (w+1)-th clean step after the start or an overflow, then every w-th); a policy with
+        ``growth_timing="deepspeed"`` gives an ``ampx.GradScaler`` that follows DeepSpeed's
+        timing, and then the scale sequences agree exactly (tested against DeepSpeed's own
+        DynamicLossScaler). DeepSpeed's ZeRO stage-0 fp16 optimizers have no hysteresis: for
+        them (``zero_optimization.stage`` 0 or unset) a hysteresis other than 1, or
+        consecutive_hysteresis, has no effect, and a warning says so.
+
         Args:
             base: the user's config dict (not modified); keys it already sets are kept, and a
                 key it sets to a different value than the policy needs raises.
@@ -369,6 +378,12 @@ class Policy:
             "consecutive_hysteresis": bool(kw["consecutive_hysteresis"]),
             "min_loss_scale": int(min_scale),
         }
+        stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
+        if stage == 0 and (section["hysteresis"] != 1 or section["consecutive_hysteresis"]):
+            warnings.warn(f"ampx.Policy.deepspeed_config: hysteresis={section['hysteresis']}, consecutive_hysteresis="
+                          f"{section['consecutive_hysteresis']} have no effect with ZeRO stage 0: DeepSpeed's "
+                          "stage-0 fp16 optimizers back off on every overflow (stages 1-3 honour them)",
+                          stacklevel=2)
         return self._merge(cfg, "fp16", section)
 
     @staticmethod

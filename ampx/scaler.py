@@ -22,6 +22,7 @@ _TorchScaler = torch.amp.GradScaler
 
 _ORD = {2.0: _C.REDUCE_SUMSQ, 1.0: _C.REDUCE_SUMABS, math.inf: _C.REDUCE_MAXABS}
 _MIN_SCALE_ACTIONS = ("warn", "raise", "ignore")
+_GROWTH_TIMINGS = ("torch", "deepspeed")
 
 
 class GradScaler(TelemetryMixin, torch.amp.GradScaler):
@@ -41,6 +42,10 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
             "warn" (log a warning and go on), "raise" (RuntimeError, as DeepSpeed) or "ignore".
         dynamic: False for static loss scaling: the scale stays at ``init_scale`` (steps with
             inf/NaN gradients are still skipped).
+        growth_timing: "torch" (grow on the ``growth_interval``-th clean step in a row) or
+            "deepspeed": DeepSpeed's DynamicLossScaler grows one step later after the start and
+            after every overflow (on the (w+1)-th clean step, then every w-th); with it, and
+            growth 2 / backoff 0.5, ampx reproduces DeepSpeed's scale sequence exactly.
         named_parameters: an iterable of (name, parameter), e.g. ``model.named_parameters()``,
             used to name parameters in overflow reports (see ``watch``).
         history: how many (step, scale) pairs ``stats()`` keeps.
@@ -65,7 +70,8 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
     def __init__(self, device="cuda", init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
                  growth_interval=2000, enabled=True, *, hysteresis=1, consecutive_hysteresis=False,
                  min_scale=None, max_scale=None, on_min_scale="warn", dynamic=True,
-                 named_parameters=None, history=1000, on_overflow=None, process_group=None):
+                 named_parameters=None, history=1000, on_overflow=None, process_group=None,
+                 growth_timing="torch"):
         # torch's own methods are named, not reached through super(): ampx.ShardedGradScaler
         # also derives from torch's ShardedGradScaler, whose overrides must not run here.
         _TorchScaler.__init__(self, device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
@@ -90,6 +96,11 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
         self._max_scale = hi
         self._on_min_scale = on_min_scale
         self._dynamic = bool(dynamic)
+        if growth_timing not in _GROWTH_TIMINGS:
+            raise ValueError(f"ampx.GradScaler: growth_timing must be one of {_GROWTH_TIMINGS}, not {growth_timing!r}")
+        self._growth_timing = growth_timing
+        if growth_timing == "deepspeed":
+            self._init_growth_tracker = -1  # DeepSpeed grows on the (w+1)-th clean step first
         self._init_hysteresis_tracker = self._hysteresis
         self._hysteresis_tracker = None
         self._param_names = {}
@@ -478,6 +489,10 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
                 scale, tracker, found, self._growth_factor, self._backoff_factor, self._growth_interval,
                 self._hysteresis, self._hysteresis_tracker if self._hysteresis > 1 else None,
                 self._consecutive_hysteresis, self._min_scale, self._max_scale)
+            if self._growth_timing == "deepspeed":
+                # DeepSpeed counts clean steps from the overflow step itself: restart one lower,
+                # on the device, without a host read.
+                tracker.copy_(torch.where(found.reshape(tracker.shape) != 0, torch.full_like(tracker, -1), tracker))
         sources = list(self._flag_sources.values())
         self._per_optimizer_states = _fresh_states()
         self._flag_sources = {}
@@ -508,6 +523,7 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
             "min_scale": self._min_scale,
             "max_scale": self._max_scale,
             "dynamic": self._dynamic,
+            "growth_timing": self.__dict__.get("_growth_timing", "torch"),
             "_hysteresis_tracker": self._get_hysteresis_tracker(),
             # which clip route each optimizer's next step takes (it decides the last bits of
             # the gradients, so an exact resume needs it)
@@ -532,6 +548,7 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
         self._min_scale = new["min_scale"]
         self._max_scale = new["max_scale"]
         self._dynamic = new["dynamic"]
+        self._growth_timing = new["growth_timing"]
         self._init_hysteresis_tracker = new["_hysteresis_tracker"]
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(new["_hysteresis_tracker"])
@@ -548,7 +565,11 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
         new = {"hysteresis": sd.get("hysteresis", self._hysteresis),
                "consecutive_hysteresis": sd.get("consecutive_hysteresis", self._consecutive_hysteresis),
                "min_scale": sd.get("min_scale", self._min_scale), "max_scale": sd.get("max_scale", self._max_scale),
-               "dynamic": sd.get("dynamic", self._dynamic)}
+               "dynamic": sd.get("dynamic", self._dynamic),
+               "growth_timing": sd.get("growth_timing", self.__dict__.get("_growth_timing", "torch"))}
+        if new["growth_timing"] not in _GROWTH_TIMINGS:
+            raise ValueError(f"{op}: state_dict['growth_timing'] must be one of {_GROWTH_TIMINGS}, "
+                             f"not {new['growth_timing']!r}")
         new["_hysteresis_tracker"] = sd.get("_hysteresis_tracker", new["hysteresis"])
 
         def bad(key, rule):
@@ -562,8 +583,9 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
             bad("backoff_factor", "a number in [0, 1)")
         if not ops._is_count(sd["growth_interval"]):
             bad("growth_interval", "an integer")
-        if not (ops._is_count(sd["_growth_tracker"]) and sd["_growth_tracker"] >= 0):
-            bad("_growth_tracker", "an integer >= 0")
+        low = -1 if new["growth_timing"] == "deepspeed" else 0
+        if not (ops._is_count(sd["_growth_tracker"]) and sd["_growth_tracker"] >= low):
+            bad("_growth_tracker", f"an integer >= {low}")
         for key in ("consecutive_hysteresis", "dynamic"):
             if not isinstance(new[key], bool):
                 bad(key, "True or False")
