@@ -6,9 +6,13 @@ USAGE = "usage: python -m ampx demo [--steps N] [--out PATH] [...]   (python -m 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv and argv[0] in ("-h", "--help"):
         print(USAGE)
-        return 0 if argv else 2
+        return 0
+    if not argv:
+        print(USAGE, file=sys.stderr)
+        print("python -m ampx: error: a command is required (demo)", file=sys.stderr)
+        return 2
     if argv[0] != "demo":
         print(USAGE, file=sys.stderr)
         print(f"python -m ampx: error: unknown command {argv[0]!r}", file=sys.stderr)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point that does all set-up on a fresh machine, then runs a job.
 #
-#   bash scripts/run.sh demo    the main job: python -m ampx demo (train a real model 4 ways)
+#   bash scripts/run.sh demo    the main job: python -m ampx demo (train a real model 5 ways)
 #   bash scripts/run.sh test    the test suite (what CI runs)
 #   bash scripts/run.sh bench   the kernel and scaler-step benchmarks
 #
