@@ -430,8 +430,13 @@ int parse_factor(mstate *st, const char *op, const char *name, PyObject *o, int 
         return 0;
     if (PyFloat_Check(o) || PyLong_Check(o)) {
         double v = PyFloat_AsDouble(o);
-        if (v == -1.0 && PyErr_Occurred())
+        if (v == -1.0 && PyErr_Occurred()) {
+            if (PyErr_ExceptionMatches(PyExc_OverflowError)) { /* an int beyond a double's range */
+                PyErr_Clear();
+                PyErr_Format(PyExc_ValueError, "%s: %s is an integer too large for a float (%R)", op, name, o);
+            }
             return -1;
+        }
         *val = v;
         return 0;
     }

@@ -133,3 +133,13 @@ def test_scaler_on_dtensor_gradients_matches_torch():
         dist.destroy_process_group()
     """)
     assert "same" in out
+
+
+@pytest.mark.parametrize("name,call", [
+    ("inv_scale", lambda: ops.unscale_([torch.zeros(2)], 10**400, None)),
+    ("factor", lambda: ops.mul_([torch.zeros(2)], -10**400)),
+    ("inv_scale", lambda: ops.cast_([torch.zeros(2)], [torch.zeros(2)], inv_scale=10**400)),
+])
+def test_a_factor_beyond_a_double_names_its_argument(name, call):
+    with pytest.raises(ValueError, match=rf"ampx\.ops\.\w+: {name} is an integer too large for a float"):
+        call()
