@@ -257,20 +257,44 @@ int tlist_sequential(const tlist *L, int *sequential)
     return 0;
 }
 
+/* Brings staged copy c of tensor t up to date (t may have been written through an alias by
+ * an earlier run of the same list): c.copy_(t). */
+static int refresh_copy(mstate *st, PyObject *c, PyObject *t)
+{
+    PyObject *r = PyObject_CallMethodObjArgs(c, st->s_copy_, t, NULL);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
 int tlist_each_staged(mstate *st, tlist *L, tlist_run_fn run, void *ctx)
 {
-    for (Py_ssize_t i = 0; i < L->n; i++) {
-        PyObject *c = NULL;
-        if (L->nc[i] && contiguous_copy(st, tlist_item(L, i), &c, &L->ts[i].ptr) < 0)
-            return -1;
-        int rc = run(ctx, L, i);
-        if (rc == 0 && c != NULL)
-            rc = copy_back(st, tlist_item(L, i), c);
-        Py_XDECREF(c);
-        if (rc < 0)
-            return -1;
+    /* All or nothing: every staging copy is made (the step that can run out of memory or meet
+     * a tensor whose .contiguous() raises) before the first write. */
+    PyObject **copies = (PyObject **)calloc(L->n > 0 ? (size_t)L->n : 1u, sizeof *copies);
+    if (copies == NULL) {
+        PyErr_NoMemory();
+        return -1;
     }
-    return 0;
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < L->n && rc == 0; i++)
+        if (L->nc[i])
+            rc = contiguous_copy(st, tlist_item(L, i), &copies[i], &L->ts[i].ptr);
+    int written = 0;
+    for (Py_ssize_t i = 0; i < L->n && rc == 0; i++) {
+        /* A list that shares memory is the op applied to each tensor in turn: a copy made
+         * before an earlier tensor was written must see that write. */
+        if (copies[i] != NULL && written)
+            rc = refresh_copy(st, copies[i], tlist_item(L, i));
+        if (rc == 0)
+            rc = run(ctx, L, i);
+        if (rc == 0 && copies[i] != NULL)
+            rc = copy_back(st, tlist_item(L, i), copies[i]);
+        written = 1;
+    }
+    for (Py_ssize_t i = 0; i < L->n; i++)
+        Py_XDECREF(copies[i]);
+    free(copies);
+    return rc;
 }
 
 /* ---- casts ------------------------------------------------------------------- */

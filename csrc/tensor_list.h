@@ -54,10 +54,12 @@ int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *seq, int
 int tlist_sequential(const tlist *L, int *sequential);
 
 /* Runs the kernel of each tensor of L in list order through run(ctx, L, i),
- * which may release the GIL. A non-contiguous tensor is first copied into a
- * contiguous one (L->ts[i].ptr then points at the copy), which is copied back
- * after its run. run returns 0, or -1 with an exception set (which stops the
- * loop). */
+ * which may release the GIL. Every non-contiguous tensor is first copied into
+ * a contiguous one (L->ts[i].ptr then points at the copy), all of them before
+ * the first run, so a failing copy (out of memory, a raising .contiguous())
+ * leaves every tensor unwritten; each copy is refreshed just before its run
+ * (an alias may have been written) and copied back after it. run returns 0,
+ * or -1 with an exception set (which stops the loop). */
 typedef int (*tlist_run_fn)(void *ctx, tlist *L, Py_ssize_t i);
 int tlist_each_staged(mstate *st, tlist *L, tlist_run_fn run, void *ctx);
 

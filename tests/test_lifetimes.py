@@ -143,3 +143,37 @@ def test_scaler_on_dtensor_gradients_matches_torch():
 def test_a_factor_beyond_a_double_names_its_argument(name, call):
     with pytest.raises(ValueError, match=rf"ampx\.ops\.\w+: {name} is an integer too large for a float"):
         call()
+
+
+class _RefusesToCopy(torch.Tensor):
+    """A tensor whose .contiguous() fails, as a staging copy that runs out of memory would."""
+
+    def contiguous(self, *a, **k):
+        raise MemoryError("staging copy refused (injected)")
+
+
+@pytest.mark.parametrize("op", ["unscale_", "mul_", "unscale_norm_"])
+def test_a_failing_staging_copy_leaves_every_tensor_unwritten(op):
+    a = torch.randn(6)                      # contiguous: would be written first
+    b = torch.randn(4, 3).t()               # non-contiguous: staged
+    bad = torch.randn(5, 2).t().as_subclass(_RefusesToCopy)  # staged last, and fails
+    before = [a.clone(), b.clone(), bad.clone()]
+    call = {"unscale_": lambda: ops.unscale_([a, b, bad], 0.5, torch.zeros(1)),
+            "mul_": lambda: ops.mul_([a, b, bad], 0.5),
+            "unscale_norm_": lambda: ops.unscale_norm_([a, b, bad], 0.5, torch.zeros(1))}[op]
+    with pytest.raises(MemoryError, match="injected"):
+        call()
+    for t, was in zip((a, b, bad), before):
+        assert torch.equal(torch.Tensor(t), torch.Tensor(was))
+
+
+def test_staged_aliases_still_apply_in_turn():
+    base = torch.randn(4, 3)
+    x = base.t()                              # non-contiguous, listed twice
+    want = base.t() * 0.25
+    ops.unscale_([x, x], 0.5, torch.zeros(1))
+    assert torch.equal(x, want)
+    y = torch.randn(4, 3)
+    y0 = y.clone()
+    ops.mul_([y.t(), y[:, :2].t()], 2.0)     # overlapping views, each staged
+    assert torch.equal(y[:, :2], y0[:, :2] * 4) and torch.equal(y[:, 2], y0[:, 2] * 2)
