@@ -192,6 +192,10 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
                 return {}, total
             found_inf, total = agree(found_inf if need_found else None, total, reduce, self.process_group)
             return ({} if found_inf is None else {found_inf.device: found_inf}), total
+        if devices is not None and write:
+            # Several calls, the first of which writes before the next validates: check now
+            # what would stop a later one, so an error leaves every gradient as it was.
+            self._check_split(params, grads, devices, allow_fp16)
         # The split by device is decided here, once, from what collect_grads saw: one kernel
         # call per device, each told its device, and the results combined below.
         parts = [self._device_pass(optimizer, ps, gs, inv_scale, found_inf, allow_fp16, write, reduce)
@@ -210,6 +214,17 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
             found, total = agree(found if need_found else None, total, reduce, self.process_group)
             return ({} if found is None else {found.device: found}), total
         return per_device, total
+
+    def _check_split(self, params, grads, devices, allow_fp16):
+        """Before the passes of gradients on several devices: every device is one ampx runs on,
+        and no float16 gradient is refused; errors name the parameter as the optimizer has it."""
+        for i, (p, g, d) in enumerate(zip(params, grads, devices)):
+            who = self._param_names.get(id(p)) or f"parameter {i} with a gradient, shape {tuple(p.shape)}"
+            if d < -1:
+                raise ValueError(f"ampx.GradScaler: the gradient of {who} is on device {g.device}; ampx "
+                                 "works on CPU and CUDA tensors (nothing was unscaled)")
+            if not allow_fp16 and g.dtype == torch.float16:
+                raise ValueError("Attempting to unscale FP16 gradients.")
 
     def _device_pass(self, optimizer, params, grads, inv_scale, found_inf, allow_fp16, write, reduce):
         """The pass over gradients that all live on one device; returns
@@ -312,7 +327,9 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
         loaded = self.__dict__.setdefault("_clip_hints_loaded", [])
         if id(optimizer) not in hints and loaded:
             hints[id(optimizer)] = loaded.pop(0)  # a resumed run takes the same route as the saved one
-        if state["stage"] is OptState.READY and plain and on_cpu and not hints.get(id(optimizer), True):
+        # (Not when sharded: that route writes before the step's collective, which may fail.)
+        if (state["stage"] is OptState.READY and plain and on_cpu and not self._sharded
+                and not hints.get(id(optimizer), True)):
             total, coef = self._clip_unscaling_first(optimizer, state, max_norm, reduce, norm_type,
                                                      error_if_nonfinite)
         else:

@@ -357,8 +357,9 @@ def test_each_device_gets_one_kernel_call(monkeypatch):
     extra.grad = torch.zeros(3, device="meta")
     opt.add_param_group({"params": [extra]})
     scaler.scale(model(torch.randn(4, 16)).sum()).backward()
+    calls.clear()
     with pytest.raises(ValueError, match="meta"):
-        scaler.unscale_(opt)
+        scaler._check_inf_per_device(opt)  # read only: each device's list goes down once
     assert calls == [(4, -1), (1, -1)]
 
 
@@ -524,3 +525,54 @@ def test_resume_takes_the_same_clip_route(opt_name, via):
     run(pc, oc, sc, range(3, 6))
     for p, q in zip(pa, pc):
         assert torch.equal(p, q)
+
+
+def test_unscale_with_a_gradient_on_an_unusable_device_writes_nothing_and_can_retry():
+    """CPU and meta gradients: the error comes before any gradient is unscaled, names the
+    parameter, and leaves the stage READY, so a retry does not unscale twice."""
+    model = _model(0)
+    meta = torch.nn.Parameter(torch.zeros(3, device="meta"))
+    opt = torch.optim.SGD([{"params": model.parameters()}, {"params": [meta]}], lr=0.1)
+    scaler = ampx.GradScaler("cpu", init_scale=4.0, named_parameters=[("meta.w", meta)])
+    scaler.scale(model(torch.randn(4, 16)).sum()).backward()
+    meta.grad = torch.zeros(3, device="meta")
+    before = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="gradient of meta.w is on device meta.*nothing was unscaled"):
+        scaler.unscale_(opt)
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
+    meta.grad = None  # the user fixes it; the retry unscales exactly once
+    scaler.unscale_(opt)
+    assert all(torch.equal(p.grad, b / 4) for p, b in zip(model.parameters(), before))
+
+
+def test_a_failing_collective_in_a_sharded_clip_writes_nothing(tmp_path, monkeypatch):
+    """Sharded plain optimizers never take the clip route that unscales before the step's one
+    all-reduce: if that collective fails, every gradient is as it was and a retry is safe."""
+    import torch.distributed as dist
+
+    from ampx import sharding
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = _model(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = ampx.GradScaler("cpu", init_scale=3000.0, process_group=dist.group.WORLD)
+        for attempt in range(2):  # the first step leaves the "did not clip" hint behind
+            scaler.scale(model(torch.randn(4, 16)).sum()).backward()
+            if attempt == 1:
+                before = [p.grad.clone() for p in model.parameters()]
+
+                def broken(*a, **k):
+                    raise RuntimeError("Connection closed by peer (injected)")
+
+                monkeypatch.setattr(sharding, "_all_reduce", broken)
+                with pytest.raises(RuntimeError, match="injected"):
+                    scaler.clip_grad_norm_(opt, 1e6)
+                assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
+                monkeypatch.undo()
+            scaler.clip_grad_norm_(opt, 1e6)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    finally:
+        dist.destroy_process_group()
