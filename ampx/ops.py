@@ -137,7 +137,7 @@ def _on(op, device):
     return _cuda._launch_args(op, device)
 
 
-def _as_list(tensors, name):
+def _as_list(tensors, name, op):
     if isinstance(tensors, torch.Tensor):
         return [tensors]
     if isinstance(tensors, (list, tuple)):
@@ -145,7 +145,17 @@ def _as_list(tensors, name):
     try:
         return list(tensors)
     except TypeError:
-        raise TypeError(f"{name} must be a Tensor or a sequence of Tensors, not {type(tensors).__name__}") from None
+        raise TypeError(f"{op}: {name} must be a Tensor or a sequence of Tensors, not "
+                        f"{type(tensors).__name__}") from None
+
+
+def _check_outputs(op, **outputs):
+    """Tensors ampx writes in place (found_inf, flags) may not require grad: autograd forbids
+    in-place writes into them, and torch's own kernels refuse them."""
+    for name, t in outputs.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise ValueError(f"{op}: {name} requires grad, and ampx writes it in place; pass a tensor "
+                             "that does not (e.g. torch.zeros(1))")
 
 
 def _reduce_code(op, ord):
@@ -212,8 +222,9 @@ def unscale_(tensors, inv_scale, found_inf, *, flags=None):
             size or dtype, an in-place write into a tensor whose elements may
             share memory (an expanded or overlapping strided view).
     """
-    tensors = _as_list(tensors, "tensors")
+    tensors = _as_list(tensors, "tensors", "ampx.ops.unscale_")
     op = "ampx.ops.unscale_"
+    _check_outputs(op, found_inf=found_inf, flags=flags)
     _C.scale_reduce(op, tensors, _SCALE | _WRITE | _CHECK, factor=inv_scale, factor_name="inv_scale",
                     found_inf=found_inf, flags=flags, **_on(op, _cuda_device(tensors)))
     _written(tensors)
@@ -226,8 +237,9 @@ def check_finite(tensors, found_inf, *, flags=None):
     callers that leave unscaling to someone else (fused optimizers).
     Arguments and errors as for ``unscale_``.
     """
-    tensors = _as_list(tensors, "tensors")
+    tensors = _as_list(tensors, "tensors", "ampx.ops.check_finite")
     op = "ampx.ops.check_finite"
+    _check_outputs(op, found_inf=found_inf, flags=flags)
     _C.scale_reduce(op, tensors, _CHECK, found_inf=found_inf, flags=flags, **_on(op, _cuda_device(tensors)))
 
 
@@ -253,8 +265,9 @@ def norm(tensors, ord=2.0, *, factor=None, found_inf=None, flags=None, per_tenso
     Raises:
         TypeError, ValueError: as ``unscale_``, and ValueError for another ``ord``.
     """
-    tensors = _as_list(tensors, "tensors")
+    tensors = _as_list(tensors, "tensors", "ampx.ops.norm")
     op = "ampx.ops.norm"
+    _check_outputs(op, found_inf=found_inf, flags=flags)
     r = _reduce_code(op, ord)
     mode = _CHECK | (r << _SHIFT) | (_SCALE if factor is not None else 0)
     dev = _cuda_device(tensors)
@@ -273,8 +286,9 @@ def unscale_norm_(tensors, inv_scale, found_inf, *, ord=2.0, flags=None, per_ten
     that tensor is unscaled (the op applied tensor by tensor, in list order).
     Arguments and errors as for ``unscale_`` and ``norm``.
     """
-    tensors = _as_list(tensors, "tensors")
+    tensors = _as_list(tensors, "tensors", "ampx.ops.unscale_norm_")
     op = "ampx.ops.unscale_norm_"
+    _check_outputs(op, found_inf=found_inf, flags=flags)
     r = _reduce_code(op, ord)
     dev = _cuda_device(tensors)
     total, per = _outputs(tensors, per_tensor, dev)
@@ -291,7 +305,7 @@ def mul_(tensors, factor):
     for float64 tensors, in float64 with the factor as given; then rounded
     to the tensor's dtype. Errors as for ``unscale_``.
     """
-    tensors = _as_list(tensors, "tensors")
+    tensors = _as_list(tensors, "tensors", "ampx.ops.mul_")
     op = "ampx.ops.mul_"
     _C.scale_reduce(op, tensors, _SCALE | _WRITE, factor=factor, **_on(op, _cuda_device(tensors)))
     _written(tensors)
@@ -329,14 +343,15 @@ def cast_(src, dst, *, inv_scale=None, found_inf=None, flags=None, rounding="nea
         TypeError, ValueError: as ``unscale_``; ValueError for mismatched
         lengths or sizes, shared memory, a bad ``rounding`` or seed/offset.
     """
-    src = _as_list(src, "src")
-    dst = _as_list(dst, "dst")
+    src = _as_list(src, "src", "ampx.ops.cast_")
+    dst = _as_list(dst, "dst", "ampx.ops.cast_")
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"ampx.ops.cast_: rounding must be 'nearest' or 'stochastic', not {rounding!r}")
     for name, v in (("seed", seed), ("offset", offset)):
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < _U64:
             raise ValueError(f"ampx.ops.cast_: {name} must be an integer in [0, 2**64), not {v!r}")
     op = "ampx.ops.cast_"
+    _check_outputs(op, found_inf=found_inf, flags=flags)
     dev = _cuda_device(src) if len(src) else _cuda_device(dst)
     _C.cast(op, src, dst, inv_scale=inv_scale, found_inf=found_inf, flags=flags, stochastic=rounding == "stochastic",
             seed=seed, offset=offset, **_on(op, dev))

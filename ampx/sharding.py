@@ -45,7 +45,14 @@ def agree(found_inf, total, reduce, group):
         parts.append(local)
     buf = parts[0] if len(parts) == 1 else torch.cat(parts)
     op = dist.ReduceOp.MAX if (reduce == _INF or not reduce) else dist.ReduceOp.SUM
-    _all_reduce(buf, op, group)
+    try:
+        _all_reduce(buf, op, group)
+    except Exception as e:  # gloo's "Connection closed by peer" alone says nothing of ampx
+        what = "the overflow flag" + (" and the local norm" if reduce else "") if found_inf is not None else "the local norm"
+        name = "the default group" if group is None else f"group {group!r}"
+        raise type(e)(f"ampx.GradScaler(process_group=...): the step's all-reduce of {what} over {name} "
+                      f"({dist.get_backend(group)}, {dist.get_world_size(group)} ranks) failed; no gradient "
+                      f"was written by this pass. The collective said: {e}") from e
     i = 0
     if found_inf is not None:
         found_inf = buf[0].clamp(max=1.0).to(like.device, torch.float32).reshape(found_inf.shape)

@@ -566,7 +566,9 @@ def test_a_failing_collective_in_a_sharded_clip_writes_nothing(tmp_path, monkeyp
                     raise RuntimeError("Connection closed by peer (injected)")
 
                 monkeypatch.setattr(sharding, "_all_reduce", broken)
-                with pytest.raises(RuntimeError, match="injected"):
+                with pytest.raises(RuntimeError, match=r"ampx\.GradScaler\(process_group=\.\.\.\): the step's "
+                                   r"all-reduce of the overflow flag and the local norm over .*gloo, 1 ranks.*"
+                                   r"Connection closed by peer \(injected\)"):
                     scaler.clip_grad_norm_(opt, 1e6)
                 assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
                 monkeypatch.undo()
@@ -576,3 +578,21 @@ def test_a_failing_collective_in_a_sharded_clip_writes_nothing(tmp_path, monkeyp
             opt.zero_grad()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("call", [
+    lambda fi: ampx.ops.unscale_([torch.ones(2)], 0.5, fi),
+    lambda fi: ampx.ops.check_finite([torch.ones(2)], fi),
+    lambda fi: ampx.ops.norm([torch.ones(2)], found_inf=fi),
+    lambda fi: ampx.ops.cast_([torch.ones(2)], [torch.zeros(2)], found_inf=fi),
+])
+def test_a_found_inf_that_requires_grad_is_refused(call):
+    fi = torch.zeros(1, requires_grad=True)
+    with pytest.raises(ValueError, match=r"ampx\.ops\.\w+: found_inf requires grad"):
+        call(fi)
+    assert fi.item() == 0.0
+
+
+def test_a_non_list_argument_names_the_op():
+    with pytest.raises(TypeError, match=r"ampx\.ops\.cast_: src must be a Tensor or a sequence of Tensors, not NoneType"):
+        ampx.ops.cast_(None, [torch.zeros(2)])
