@@ -1,10 +1,16 @@
 """Shared fixtures and helpers for the ampx.ops test suite.
 
 Fixtures:
+    device       parametrised "cpu" / "cuda", so a test written once runs on both;
+                 "cuda" is skipped, with ampx.cuda.unavailable_reason(), where
+                 torch or ampx cannot use a GPU.
     simd         parametrised over every SIMD level this processor supports;
                  switches with ampx._C.set_simd and restores the previous one.
     threaded     parametrised "single" / "threaded": "threaded" forces the
                  thread pool (set_parallel_threshold(0), 4 torch threads).
+                 simd and threaded choose CPU code paths: a test that also takes
+                 `device` runs every combination of them on "cpu" and once on
+                 "cuda", where they are None and change nothing.
     force_threads, force_single
                  context managers for tests that compare the two paths.
     rng          a numpy Generator seeded per test.
@@ -14,10 +20,16 @@ Helpers (plain functions, imported by the test modules):
                  subnormals of the dtype and values near its max.
     assert_bits_equal(a, b)  same dtype/shape, NaN at the same positions and
                  every other element bit-identical (so -0.0 != 0.0).
+    assert_same_float(a, b)  equal, or one float32 ulp apart (two float64 sums
+                 of the same terms in different orders).
     unscale_ref(x, inv)      torch's float32 multiply rounded to x's dtype.
-    norm_ref(tensors, ord)   float64 reference norm.
+    norm_ref64(tensors, ord) float64 reference norm.
+    sizes(device)            sizes either side of every boundary of that
+                 device's kernels (vector widths and chunks; on CUDA also blocks).
+    to_device(tensors, device), host(tensors)  copies of a list on a device / on the CPU.
 """
 import contextlib
+import itertools
 import math
 
 import numpy as np
@@ -37,6 +49,16 @@ SMALL_SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33]
 CHUNK_SIZES = [CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 1]
 ALL_SIZES = SMALL_SIZES + CHUNK_SIZES
 
+# Either side of every boundary of the CUDA kernels: vector widths (2, 4, 8 elements), one
+# block's vectors (BLOCK * W), the unrolled group (4 * BLOCK * W), chunks.
+CUDA_BLOCK = ampx._C.CUDA_BLOCK
+CUDA_MAX_TENSORS = ampx._C.CUDA_MAX_TENSORS
+_CUDA_EDGES = sorted({m * w * CUDA_BLOCK for w in (2, 4, 8) for m in (1, 4)} | {CHUNK, 2 * CHUNK})
+CUDA_SIZES = sorted(set(SMALL_SIZES) | {e + d for e in _CUDA_EDGES for d in (-1, 0, 1)} | {3 * CHUNK + 4097})
+
+CUDA = torch.cuda.is_available() and ampx.cuda.is_available()
+NO_CUDA_REASON = "no CUDA device usable by ampx: " + str(ampx.cuda.unavailable_reason() or "torch sees no GPU")
+
 _INT_VIEW = {
     torch.float32: torch.int32,
     torch.float64: torch.int64,
@@ -51,8 +73,46 @@ _INT_VIEW = {
 # ---------------------------------------------------------------- fixtures --
 
 
-@pytest.fixture(params=LEVELS)
+# simd and threaded select CPU code paths; on CUDA they have one value, None.
+_CPU_AXES = {"simd": LEVELS, "threaded": ["single", "threaded"]}
+
+
+def _mark_parametrized(metafunc):
+    names = set()
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        args = mark.args[0] if mark.args else mark.kwargs["argnames"]
+        names.update(a.strip() for a in args.split(",")) if isinstance(args, str) else names.update(args)
+    return names
+
+
+def pytest_generate_tests(metafunc):
+    """Parametrises the device, simd and threaded fixtures (a parametrize mark on the test wins).
+
+    With `device`, the CPU axes are crossed with "cpu" only: ids "cpu-avx2-single", ..., "cuda"."""
+    taken = _mark_parametrized(metafunc)
+    axes = [n for n in _CPU_AXES if n in metafunc.fixturenames and n not in taken]
+    if "device" in metafunc.fixturenames and "device" not in taken:
+        params = [pytest.param("cpu", *combo, id="-".join(("cpu",) + combo))
+                  for combo in itertools.product(*(_CPU_AXES[n] for n in axes))]
+        params.append(pytest.param("cuda", *[None] * len(axes), id="cuda"))
+        metafunc.parametrize(["device"] + axes, params, indirect=True)
+        return
+    for n in axes:
+        metafunc.parametrize(n, _CPU_AXES[n], indirect=True)
+
+
+@pytest.fixture
+def device(request):
+    if request.param == "cuda" and not CUDA:
+        pytest.skip(NO_CUDA_REASON)
+    return request.param
+
+
+@pytest.fixture
 def simd(request):
+    if request.param is None:  # a CUDA run: no CPU level to choose
+        yield None
+        return
     prev = ampx._C.set_simd(request.param)
     assert ops.simd_level() == request.param
     try:
@@ -93,8 +153,11 @@ def force_single():
         ampx._C.set_parallel_threshold(prev_thr)
 
 
-@pytest.fixture(params=["single", "threaded"])
+@pytest.fixture
 def threaded(request):
+    if request.param is None:  # a CUDA run
+        yield None
+        return
     cm = force_threads() if request.param == "threaded" else force_single()
     with cm:
         yield request.param
@@ -332,9 +395,39 @@ def expected_flags(tensors):
     return out
 
 
+def assert_same_float(got, ref, msg=""):
+    """Two float32 results of the same quantity accumulated in float64 in different orders:
+    equal, or one float32 ulp apart; NaN and inf exactly where the other has them."""
+    g, r = float(got), float(ref)
+    if math.isnan(r) or math.isnan(g):
+        assert math.isnan(r) and math.isnan(g), (msg, g, r)
+        return
+    if math.isinf(r) or math.isinf(g):
+        assert g == r, (msg, g, r)
+        return
+    assert abs(g - r) <= 2.0**-23 * abs(r) + 1e-45, (msg, g, r)
+
+
 def any_nonfinite(tensors):
     return any(f != 0 for f in expected_flags(tensors))
 
 
 def clones(tensors):
     return [t.clone() for t in tensors]
+
+
+# ---- devices ---------------------------------------------------------------------------------
+
+
+def sizes(device):
+    """Sizes either side of every boundary of `device`'s kernels."""
+    return CUDA_SIZES if device == "cuda" else ALL_SIZES
+
+
+def to_device(tensors, device):
+    """Copies of `tensors` on `device` (fresh copies on the CPU too)."""
+    return [t.to(device, copy=True) for t in tensors]
+
+
+def host(tensors):
+    return [t.detach().cpu() for t in tensors]

@@ -1,4 +1,8 @@
-"""ampx's CUDA path.
+"""CUDA-only behaviour: what has no CPU counterpart.
+
+What each op computes is tested once, on every device, where the op lives (test_ops.py,
+test_numerics.py, test_errors.py: their `device` fixture adds a "cuda" run that also
+checks the GPU's bits against ampx's CPU kernels). This file keeps the rest.
 
 Everywhere (no GPU needed):
   * ampx imports; ampx.cuda says whether it is available and, when not, why;
@@ -10,15 +14,14 @@ Everywhere (no GPU needed):
     launches: every element of every tensor is covered exactly once, launches respect the
     parameter-block limits, the workspace layout fits its allocation;
   * an independent (numpy) implementation of the stochastic-rounding hash agrees with ampx's CPU
-    cast, so it can check the GPU's bits past 2**32 elements.
+    cast, so it can check the GPU's bits past 2**32 elements;
+  * the kernel source itself (cuda/ampx_kernels.cu), emulated on the CPU through the real
+    launcher: stored values, flags and norms equal the CPU kernels'.
 
-On a CUDA machine (skipped elsewhere): the kernel reference tests of test_ops.py again, on the
-GPU, against float64 references, torch's CUDA kernels and ampx's own CPU results (stored values
-bit-identical, NaN payloads aside; stochastic rounding bit-identical), sizes either side of
-every vector, block, chunk and launch boundary, misaligned views, 1 to thousands of tensors,
-bfloat16 gradients, fixed-order (run-to-run identical) norms, errors for tensors on the wrong
-device, no host synchronisation in a fused-AdamW step, and a scaler sequence captured into a
-CUDA graph and replayed.
+On a CUDA machine (skipped elsewhere): tensors on two devices refused, kernels run on the
+tensors' device whatever the current one, on a side stream, no host synchronisation in a
+fused-AdamW step, a scaler sequence captured into a CUDA graph and replayed, and 64-bit
+element indices (past 2**31 and 2**32 elements).
 """
 import math
 import os
@@ -33,18 +36,21 @@ import torch
 import ampx
 from ampx import _C, ops
 from conftest import (
-    any_nonfinite,
-    clones,
-    dt_id,
-    expected_flags,
     CHUNK,
+    CUDA,
     FLOAT_DTYPES,
+    NO_CUDA_REASON,
     SMALL_SIZES,
     assert_bits_equal,
     assert_exactly_equal,
     assert_norm_close,
+    assert_same_float,
+    clones,
+    dt_id,
+    expected_flags,
     f32,
     finite_values,
+    host,
     norm_ref64,
     rand_list,
     special_values,
@@ -52,42 +58,14 @@ from conftest import (
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ORDS = [2.0, 1.0, math.inf]
 FLAG_INF, FLAG_NAN = ops.FLAG_INF, ops.FLAG_NAN
 
-CUDA = torch.cuda.is_available() and ampx.cuda.is_available()
-gpu = pytest.mark.skipif(not CUDA, reason="no CUDA device usable by ampx: " + str(ampx.cuda.unavailable_reason()))
+gpu = pytest.mark.skipif(not CUDA, reason=NO_CUDA_REASON)
 two_gpus = pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 
 BLOCK = _C.CUDA_BLOCK
 MAX_T = _C.CUDA_MAX_TENSORS
 assert _C.CUDA_CHUNK == CHUNK
-
-# Either side of every boundary of the CUDA kernels: vector widths (2, 4, 8 elements), one
-# block's vectors (BLOCK * W), the unrolled group (4 * BLOCK * W), chunks.
-_EDGES = sorted({m * w * BLOCK for w in (2, 4, 8) for m in (1, 4)} | {CHUNK, 2 * CHUNK})
-CUDA_SIZES = sorted(set(SMALL_SIZES) | {e + d for e in _EDGES for d in (-1, 0, 1)} | {3 * CHUNK + 4097})
-
-
-def dev(tensors):
-    return [t.to("cuda") for t in tensors]
-
-
-def host(tensors):
-    return [t.detach().cpu() for t in tensors]
-
-
-def assert_same_float(got, ref, msg=""):
-    """Two float32 results of the same quantity accumulated in float64 in different orders:
-    equal, or one float32 ulp apart; NaN and inf exactly where the other has them."""
-    g, r = float(got), float(ref)
-    if math.isnan(r) or math.isnan(g):
-        assert math.isnan(r) and math.isnan(g), (msg, g, r)
-        return
-    if math.isinf(r) or math.isinf(g):
-        assert g == r, (msg, g, r)
-        return
-    assert abs(g - r) <= 2.0**-23 * abs(r) + 1e-45, (msg, g, r)
 
 
 # ============================================================== everywhere ==
@@ -734,450 +712,6 @@ def test_emulated_kernels_at_full_block_size(emulator_full, rng):
 
 
 # ================================================================= on a GPU ==
-
-
-def cpu_and_gpu(fn, tensors, *args, **kwargs):
-    """Runs fn on CPU copies and on CUDA copies of `tensors`; returns both lists (on the CPU)."""
-    c = clones(tensors)
-    g = dev(tensors)
-    rc = fn(c, *args, **kwargs)
-    rg = fn(g, *args, **kwargs)
-    return c, host(g), rc, rg
-
-
-@gpu
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
-def test_cuda_unscale_every_size(dtype, rng):
-    tensors = [special_values(dtype, n, rng) for n in CUDA_SIZES]
-    origs = clones(tensors)
-    inv = 0.37
-    g = dev(tensors)
-    found = torch.zeros(1, device="cuda")
-    flags = torch.full((len(g),), 0xFF, dtype=torch.uint8, device="cuda")
-    ops.unscale_(g, torch.tensor([inv], device="cuda"), found, flags=flags)
-    cpu = clones(origs)
-    cfound = torch.zeros(1)
-    cflags = torch.zeros(len(cpu), dtype=torch.uint8)
-    ops.unscale_(cpu, torch.tensor([inv]), cfound, flags=cflags)
-    for i, (a, c, o) in enumerate(zip(host(g), cpu, origs)):
-        assert_bits_equal(a, unscale_ref(o, torch.tensor([inv])), f"n={o.numel()}")
-        assert_bits_equal(a, c, f"n={o.numel()} vs ampx CPU")
-    assert flags.tolist() == cflags.tolist() == expected_flags(origs)
-    assert found.item() == cfound.item() == (1.0 if any_nonfinite(origs) else 0.0)
-    if dtype != torch.bfloat16:  # torch's CUDA kernel refuses bfloat16 (pytorch issue 127176)
-        ref = dev(origs)
-        rf = torch.zeros(1, device="cuda")
-        torch._amp_foreach_non_finite_check_and_unscale_(ref, rf, torch.tensor([inv], device="cuda"))
-        for a, r in zip(host(g), host(ref)):
-            assert_bits_equal(a, r, "vs torch._amp_foreach_non_finite_check_and_unscale_ on CUDA")
-        assert rf.item() == found.item()
-    # one tensor per call: every size alone, found_inf only (the path without workspace)
-    for o in origs[::3]:
-        x = o.to("cuda")
-        fi = torch.zeros(1, device="cuda")
-        ops.unscale_(x, inv, fi)
-        assert_bits_equal(x.cpu(), unscale_ref(o, inv))
-        assert fi.item() == (1.0 if any_nonfinite([o]) else 0.0)
-
-
-@gpu
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
-@pytest.mark.parametrize("inv", [4.0, 2.0**-20, 0.0, -1.5, math.inf, math.nan])
-def test_cuda_unscale_overflow_underflow_zero_negative(dtype, inv, rng):
-    x = special_values(dtype, 5000, rng, p_special=0.4)
-    g = x.to("cuda")
-    found = torch.zeros(1, device="cuda")
-    ops.unscale_(g, inv, found)
-    assert_bits_equal(g.cpu(), unscale_ref(x, inv))
-    assert found.item() == (1.0 if any_nonfinite([x]) else 0.0)
-
-
-@gpu
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
-def test_cuda_misaligned_views_take_the_scalar_path_with_the_same_bits(dtype, rng):
-    base = finite_values(dtype, 3 * CHUNK + 200, rng).to("cuda")
-    for k in (1, 2, 3, 5):
-        v = base[k:k + 2 * CHUNK + 77]
-        if v.data_ptr() % 16 == 0:
-            continue
-        aligned = v.clone()  # a fresh allocation: 16-byte aligned
-        assert aligned.data_ptr() % 16 == 0
-        for ord in ORDS:
-            a = ops.norm([v], ord, factor=0.37, per_tensor=True)
-            b = ops.norm([aligned], ord, factor=0.37, per_tensor=True)
-            assert_exactly_equal(a[0].cpu(), b[0].cpu(), f"k={k} ord={ord}")
-            assert_exactly_equal(a[1].cpu(), b[1].cpu())
-        ref = unscale_ref(v.cpu(), 0.37)
-        ops.unscale_(v, 0.37, None)
-        assert_bits_equal(v.cpu(), ref)
-        d = torch.empty(v.numel(), dtype=torch.float32, device="cuda")[1:]
-        src = base[k + 1:k + 1 + d.numel()]
-        ops.cast_(src, d, inv_scale=0.5)
-        assert_bits_equal(d.cpu(), (src.cpu().double() * 0.5).to(torch.float32) if dtype == torch.float64
-                          else (src.cpu().float() * 0.5))
-
-
-@gpu
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
-@pytest.mark.parametrize("ord", ORDS)
-def test_cuda_norm_against_float64_and_cpu(dtype, ord, rng):
-    tensors = [finite_values(dtype, n, rng) for n in CUDA_SIZES]
-    g = dev(tensors)
-    for factor in (None, 0.37, "tensor"):
-        fg = torch.tensor([0.37], device="cuda") if factor == "tensor" else factor
-        fc = torch.tensor([0.37]) if factor == "tensor" else factor
-        total, per = ops.norm(g, ord, factor=fg, per_tensor=True)
-        assert total.device.type == "cuda" and per.device.type == "cuda"
-        ctotal, cper = ops.norm(tensors, ord, factor=fc, per_tensor=True)
-        stored = [unscale_ref(t, fc) for t in tensors] if factor is not None else tensors
-        total_ref, per_ref = norm_ref64(stored, ord)
-        assert_norm_close(total.item(), total_ref, msg=f"factor={factor}")
-        assert_same_float(total.item(), ctotal.item(), "vs ampx CPU")
-        for i, (a, c, r) in enumerate(zip(per.tolist(), cper.tolist(), per_ref)):
-            assert_norm_close(a, r, msg=f"per[{i}]")
-            assert_same_float(a, c, f"per[{i}] vs ampx CPU")
-    # ord=2 against torch's CUDA norms too
-    if ord == 2.0 and dtype != torch.float64:
-        tn = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([t.float() for t in g if t.numel()])), 2)
-        assert_norm_close(ops.norm(g, 2).item(), float(tn), rel=1e-5)
-
-
-@gpu
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
-@pytest.mark.parametrize("ord", ORDS)
-def test_cuda_norm_nonfinite_and_huge(dtype, ord, rng):
-    fi = torch.finfo(dtype)
-    for n in (1, 9, 4097, CHUNK + 3):
-        for kind in (math.inf, -math.inf, math.nan):
-            for pos in (0, n // 2, n - 1):
-                t = finite_values(dtype, n, rng)
-                t[pos] = kind
-                clean = torch.randn(20).to(dtype)
-                total, per = ops.norm(dev([clean, t]), ord, per_tensor=True)
-                if math.isnan(kind):
-                    assert math.isnan(total.item()) and math.isnan(per[1].item()), (n, pos, ord)
-                else:
-                    assert total.item() == math.inf and per[1].item() == math.inf, (n, pos, ord)
-                assert math.isfinite(per[0].item())
-    big = torch.full((5000,), fi.max, dtype=dtype)
-    total_ref, _ = norm_ref64([big], ord)
-    got = ops.norm(big.to("cuda"), ord).item()
-    assert_norm_close(got, total_ref)
-    tiny = torch.full((5000,), fi.smallest_normal * fi.eps, dtype=dtype)  # subnormals
-    assert_norm_close(ops.norm(tiny.to("cuda"), ord).item(), norm_ref64([tiny], ord)[0])
-
-
-@gpu
-def test_cuda_norm_accumulates_in_float64():
-    x = torch.ones(2**24 + 3, device="cuda")
-    assert ops.norm([x], 1).item() == f32(2**24 + 3)
-    y = torch.full((1000,), 1e-25, device="cuda")
-    assert_norm_close(ops.norm([y], 2).item(), math.sqrt(1000) * 1e-25)
-    z = torch.tensor([3e-39, 4e-39], dtype=torch.float64, device="cuda")
-    assert_norm_close(ops.norm([z], 2).item(), 5e-39)
-
-
-@gpu
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
-@pytest.mark.parametrize("ord", ORDS)
-def test_cuda_unscale_norm_equals_unscale_then_norm(dtype, ord, rng):
-    for make in (finite_values, special_values):
-        tensors = [make(dtype, n, rng) for n in CUDA_SIZES]
-        origs = clones(tensors)
-        g = dev(tensors)
-        found = torch.zeros(1, device="cuda")
-        flags = torch.zeros(len(g), dtype=torch.uint8, device="cuda")
-        total, per = ops.unscale_norm_(g, torch.tensor([0.37], device="cuda"), found, ord=ord, flags=flags,
-                                       per_tensor=True)
-        for i, (t, o) in enumerate(zip(host(g), origs)):
-            assert_bits_equal(t, unscale_ref(o, torch.tensor([0.37])), f"tensor {i}")
-        total_ref, per_ref = norm_ref64(host(g), ord)
-        assert_norm_close(total.item(), total_ref)
-        for a, r in zip(per.tolist(), per_ref):
-            assert_norm_close(a, r)
-        t2, p2 = ops.norm(g, ord, per_tensor=True)  # the very bits norm() gives on the stored values
-        assert_bits_equal(total.cpu(), t2.cpu())
-        assert_bits_equal(per.cpu(), p2.cpu())
-        t3, p3 = ops.norm(dev(origs), ord, factor=torch.tensor([0.37], device="cuda"), per_tensor=True)
-        if make is finite_values:
-            assert_exactly_equal(total.cpu(), t3.cpu())
-            assert_exactly_equal(per.cpu(), p3.cpu())
-        assert flags.tolist() == expected_flags(origs)
-        assert found.item() == (1.0 if any_nonfinite(origs) else 0.0)
-
-
-@gpu
-def test_cuda_norm_of_nan_products_is_nan():
-    for ord in ORDS:
-        x = torch.full((40,), 3.0, device="cuda")
-        x[20] = math.inf
-        assert math.isnan(ops.norm([x], ord, factor=0.0).item())
-        assert math.isnan(ops.norm([torch.ones(5, device="cuda")], ord, factor=math.nan).item())
-
-
-@gpu
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
-def test_cuda_mul_every_size(dtype, rng):
-    tensors = [special_values(dtype, n, rng) for n in CUDA_SIZES]
-    for f in (2.5, 0.1, 65536.0, -0.75, 1e-8):
-        g = dev(tensors)
-        ops.mul_(g, f)
-        for a, o in zip(host(g), tensors):
-            assert_bits_equal(a, unscale_ref(o, f), f"n={o.numel()} factor={f}")
-    g = dev(tensors)
-    ops.mul_(g, torch.tensor([1.75], device="cuda"))
-    for a, o in zip(host(g), tensors):
-        assert_bits_equal(a, unscale_ref(o, 1.75))
-    g = dev(tensors)
-    ops.mul_(g, torch.tensor([1.75]))  # a CPU factor tensor: its value, read now
-    for a, o in zip(host(g), tensors):
-        assert_bits_equal(a, unscale_ref(o, 1.75))
-
-
-@gpu
-@pytest.mark.parametrize("src_dtype", FLOAT_DTYPES, ids=dt_id)
-@pytest.mark.parametrize("dst_dtype", FLOAT_DTYPES, ids=dt_id)
-def test_cuda_cast_every_pair_matches_cpu(src_dtype, dst_dtype, rng):
-    srcs = [special_values(src_dtype, n, rng) for n in CUDA_SIZES]
-    for inv in (None, 0.37, "tensor"):
-        ig = torch.tensor([0.37], device="cuda") if inv == "tensor" else inv
-        ic = torch.tensor([0.37]) if inv == "tensor" else inv
-        dg = [torch.full((s.numel(),), 7.0, dtype=dst_dtype, device="cuda") for s in srcs]
-        dc = [torch.full((s.numel(),), 7.0, dtype=dst_dtype) for s in srcs]
-        found = torch.zeros(1, device="cuda")
-        flags = torch.zeros(len(srcs), dtype=torch.uint8, device="cuda")
-        sg = dev(srcs)
-        ops.cast_(sg, dg, inv_scale=ig, found_inf=found, flags=flags)
-        ops.cast_(srcs, dc, inv_scale=ic)
-        for i, (a, c) in enumerate(zip(host(dg), dc)):
-            assert_bits_equal(a, c, f"n={srcs[i].numel()} inv={inv}")
-        for a, s in zip(host(sg), srcs):
-            assert_exactly_equal(a, s, "source changed")
-        assert flags.tolist() == expected_flags(srcs)
-        assert found.item() == (1.0 if any_nonfinite(srcs) else 0.0)
-
-
-@gpu
-@pytest.mark.parametrize("src_dtype", [torch.float32, torch.float64, torch.float16], ids=dt_id)
-def test_cuda_stochastic_rounding_is_bit_identical_to_cpu(src_dtype, rng):
-    sizes = CUDA_SIZES + [3 * CHUNK + 1]
-    srcs = [finite_values(src_dtype, n, rng) for n in sizes]
-    for seed, offset in ((0, 0), (123, 9), (2**64 - 1, 2**63 + 5)):
-        dg = [torch.empty(n, dtype=torch.bfloat16, device="cuda") for n in sizes]
-        dc = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
-        ops.cast_(dev(srcs), dg, inv_scale=0.5, rounding="stochastic", seed=seed, offset=offset)
-        ops.cast_(srcs, dc, inv_scale=0.5, rounding="stochastic", seed=seed, offset=offset)
-        for i, (a, c) in enumerate(zip(host(dg), dc)):
-            assert_exactly_equal(a, c, f"n={sizes[i]} seed={seed} offset={offset}")
-    special = [special_values(src_dtype, n, rng) for n in (17, 5000)]
-    dg = [torch.empty(t.numel(), dtype=torch.bfloat16, device="cuda") for t in special]
-    dc = [torch.empty(t.numel(), dtype=torch.bfloat16) for t in special]
-    ops.cast_(dev(special), dg, rounding="stochastic", seed=1, offset=2)
-    ops.cast_(special, dc, rounding="stochastic", seed=1, offset=2)
-    for a, c in zip(host(dg), dc):
-        assert_bits_equal(a, c)
-
-
-@gpu
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
-@pytest.mark.parametrize("op", ["unscale_", "check_finite", "norm", "unscale_norm_", "cast_"])
-def test_cuda_flags_at_first_middle_last(dtype, op, rng):
-    for n in (1, 8, 9, 4097, CHUNK + 1):
-        for pos in sorted({0, n // 2, n - 1}):
-            for kind, bit in ((math.inf, FLAG_INF), (-math.inf, FLAG_INF), (math.nan, FLAG_NAN)):
-                t = finite_values(dtype, n, rng)
-                t[pos] = kind
-                tensors = dev([finite_values(dtype, 17, rng), t, finite_values(dtype, 33, rng)])
-                found = torch.zeros(1, device="cuda")
-                flags = torch.full((3,), 0xFF, dtype=torch.uint8, device="cuda")
-                if op == "unscale_":
-                    ops.unscale_(tensors, 0.5, found, flags=flags)
-                elif op == "check_finite":
-                    ops.check_finite(tensors, found, flags=flags)
-                elif op == "norm":
-                    ops.norm(tensors, 2, found_inf=found, flags=flags)
-                elif op == "unscale_norm_":
-                    ops.unscale_norm_(tensors, 0.5, found, flags=flags)
-                else:
-                    dsts = [torch.empty(x.shape, dtype=torch.float32, device="cuda") for x in tensors]
-                    ops.cast_(tensors, dsts, found_inf=found, flags=flags)
-                assert flags.tolist() == [0, bit, 0], (n, pos, kind)
-                assert found.item() == 1.0
-
-
-@gpu
-def test_cuda_check_finite_without_flags_and_sticky_found_inf(rng):
-    tensors = dev([finite_values(torch.float32, n, rng) for n in (1, 17, CHUNK + 1)])
-    found = torch.zeros(1, device="cuda")
-    ops.check_finite(tensors, found)
-    assert found.item() == 0.0
-    found.fill_(1.0)
-    ops.check_finite(tensors, found)
-    assert found.item() == 1.0  # never cleared
-    tensors[2][CHUNK] = math.nan
-    found.zero_()
-    ops.check_finite(tensors, found)
-    assert found.item() == 1.0
-
-
-@gpu
-@pytest.mark.parametrize("count", [1, 2, MAX_T - 1, MAX_T, MAX_T + 1, 2 * MAX_T, 2 * MAX_T + 1, 1000, 3000])
-def test_cuda_tensor_counts_across_launches(count, rng):
-    tensors = rand_list(rng, count, 300)
-    g = dev(tensors)
-    found = torch.zeros(1, device="cuda")
-    flags = torch.zeros(count, dtype=torch.uint8, device="cuda")
-    total, per = ops.unscale_norm_(g, 0.5, found, ord=1, flags=flags, per_tensor=True)
-    c = clones(tensors)
-    cfound = torch.zeros(1)
-    cflags = torch.zeros(count, dtype=torch.uint8)
-    ctotal, cper = ops.unscale_norm_(c, 0.5, cfound, ord=1, flags=cflags, per_tensor=True)
-    for a, b in zip(host(g), c):
-        assert_bits_equal(a, b)
-    assert flags.tolist() == cflags.tolist()
-    assert found.item() == cfound.item()
-    assert_same_float(total.item(), ctotal.item())
-    for a, b in zip(per.tolist(), cper.tolist()):
-        assert_same_float(a, b)
-
-
-@gpu
-def test_cuda_thousands_of_small_tensors_with_empties(rng):
-    tensors = rand_list(rng, 5000, 300) + [torch.empty(0)] * 7
-    g = dev(tensors)
-    flags = torch.full((len(g),), 9, dtype=torch.uint8, device="cuda")
-    total, per = ops.norm(g, 2, per_tensor=True, flags=flags)
-    total_ref, per_ref = norm_ref64(tensors, 2)
-    assert_norm_close(total.item(), total_ref)
-    for a, r in zip(per.tolist(), per_ref):
-        assert_norm_close(a, r)
-    assert flags.tolist() == expected_flags(tensors)
-    e = dev([torch.empty(0), torch.empty(0, 3, dtype=torch.float16)])
-    fl = torch.full((2,), 9, dtype=torch.uint8, device="cuda")
-    t, p = ops.norm(e, per_tensor=True, flags=fl)
-    assert t.item() == 0.0 and p.tolist() == [0.0, 0.0] and fl.tolist() == [0, 0]
-
-
-@gpu
-def test_cuda_bfloat16_gradients(rng):
-    grads = dev([finite_values(torch.bfloat16, n, rng) for n in (3, 4096, CHUNK + 5)])
-    origs = host(grads)
-    found = torch.zeros(1, device="cuda")
-    total = ops.unscale_norm_(grads, torch.tensor([2.0**-8], device="cuda"), found)
-    for a, o in zip(host(grads), origs):
-        assert_bits_equal(a, unscale_ref(o, 2.0**-8))
-    assert_norm_close(total.item(), norm_ref64(host(grads), 2)[0])
-    assert found.item() == 0.0
-
-
-@gpu
-def test_cuda_norm_is_identical_run_to_run_and_across_launch_splits(rng):
-    tensors = dev([finite_values(torch.float32, n, rng) for n in (CHUNK * 7 + 3, 5, 300000)] +
-                  [finite_values(torch.bfloat16, 1000, rng) for _ in range(300)])
-    first = ops.norm(tensors, 2, per_tensor=True)
-    for _ in range(20):
-        r = ops.norm(tensors, 2, per_tensor=True)
-        assert_exactly_equal(r[0].cpu(), first[0].cpu())
-        assert_exactly_equal(r[1].cpu(), first[1].cpu())
-    # a tensor's norm does not depend on its neighbours or on which launch carries it
-    for i in (0, 1, 2, 150, 302):
-        alone = ops.norm([tensors[i]], 2)
-        assert_exactly_equal(alone.cpu(), first[1][i:i + 1].cpu().reshape(()))
-    # the aliasing path (one launch per tensor) gives the batched path's bits
-    batched = ops.unscale_norm_(tensors, 1.0, None, per_tensor=True)
-    seq = ops.unscale_norm_(tensors + [tensors[0]], 1.0, None, per_tensor=True)
-    assert_exactly_equal(seq[1][:len(tensors)].cpu(), batched[1].cpu())
-
-
-@gpu
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
-def test_cuda_noncontiguous_and_aliasing(dtype, rng):
-    base = special_values(dtype, 40 * 30, rng).reshape(40, 30)
-    for mk in (lambda b: b.t(), lambda b: b[::3], lambda b: b[:, ::2], lambda b: b.t()[1::2, 2:]):
-        g = base.clone().to("cuda")
-        found = torch.zeros(1, device="cuda")
-        ops.unscale_(mk(g), 0.37, found)
-        expect = base.clone()
-        mk(expect).copy_(unscale_ref(mk(base), 0.37))
-        assert_bits_equal(g.cpu(), expect)
-        t = ops.norm([mk(base.to("cuda"))], 1, factor=0.5)
-        assert_norm_close(t.item(), norm_ref64([unscale_ref(mk(base), 0.5)], 1)[0])
-        d = torch.full((40, 30), 9.0, dtype=torch.float32, device="cuda")
-        src = finite_values(dtype, mk(d).numel(), rng)
-        ops.cast_(src.to("cuda"), mk(d), inv_scale=0.5)
-        c = torch.full((40, 30), 9.0, dtype=torch.float32)
-        ops.cast_(src, mk(c), inv_scale=0.5)
-        assert_bits_equal(d.cpu(), c)
-    x = special_values(dtype, CHUNK + 1, rng)
-    g = x.to("cuda")
-    flags = torch.zeros(2, dtype=torch.uint8, device="cuda")
-    ops.unscale_([g, g], 0.37, torch.zeros(1, device="cuda"), flags=flags)
-    assert_bits_equal(g.cpu(), unscale_ref(unscale_ref(x, 0.37), 0.37))
-    buf = finite_values(dtype, 3000, rng)
-    gb = buf.to("cuda")
-    ops.unscale_([gb[0:2000], gb[1000:]], 0.37, None)
-    expect = buf.clone()
-    expect[0:2000] = unscale_ref(expect[0:2000], 0.37)
-    expect[1000:] = unscale_ref(expect[1000:], 0.37)
-    assert_bits_equal(gb.cpu(), expect)
-    y = torch.ones(CHUNK + 5, dtype=torch.bfloat16, device="cuda")
-    fl = torch.zeros(40, dtype=torch.uint8, device="cuda")
-    ops.unscale_([y] * 40, 16.0, torch.zeros(1, device="cuda"), flags=fl)
-    assert bool(torch.isinf(y).all())
-    assert fl.tolist() == [0] * 32 + [FLAG_INF] * 8
-
-
-@gpu
-@pytest.mark.parametrize("hysteresis,consecutive,bounds", [(1, False, False), (3, False, True), (2, True, False)])
-def test_cuda_update_scale_matches_cpu(hysteresis, consecutive, bounds, rng):
-    kw = dict(hysteresis=hysteresis, consecutive_hysteresis=consecutive)
-    if bounds:
-        kw.update(min_scale=2.0**10, max_scale=2.0**18)
-    cs, ct = torch.full((1,), 2.0**16), torch.zeros(1, dtype=torch.int32)
-    ch = torch.full((1,), hysteresis, dtype=torch.int32)
-    gs, gt, gh = cs.cuda(), ct.cuda(), ch.cuda()
-    for step in range(200):
-        f = float(rng.random() < 0.3)
-        cev = ops._update_scale_events(cs, ct, torch.tensor([f]), 2.0, 0.5, 3, hysteresis,
-                                       ch if hysteresis > 1 else None, consecutive,
-                                       kw.get("min_scale", 0.0), kw.get("max_scale", math.inf))
-        gev = ops._update_scale_events(gs, gt, torch.tensor([f], device="cuda"), 2.0, 0.5, 3, hysteresis,
-                                       gh if hysteresis > 1 else None, consecutive,
-                                       kw.get("min_scale", 0.0), kw.get("max_scale", math.inf))
-        assert isinstance(gev, torch.Tensor) and gev.device.type == "cuda"
-        assert int(gev.item()) == cev, step
-        assert_exactly_equal(gs.cpu(), cs)
-        assert_exactly_equal(gt.cpu(), ct)
-        assert_exactly_equal(gh.cpu(), ch)
-    s = torch.full((1,), 2.0**16, device="cuda")
-    assert ops.update_scale_(s, torch.zeros(1, dtype=torch.int32, device="cuda"), torch.ones(1, device="cuda"),
-                             2.0, 0.5, 10) is s
-    assert s.item() == 2.0**15
-
-
-@gpu
-def test_cuda_errors_name_position_and_device():
-    good = dev([torch.randn(10), torch.randn(5).bfloat16()])
-    with pytest.raises(ValueError, match=r"tensors\[2\] is on cpu.*cuda:0"):
-        ops.unscale_(good + [torch.ones(3)], 0.5, torch.zeros(1, device="cuda"))
-    with pytest.raises(ValueError, match=r"found_inf is on cpu"):
-        ops.unscale_(good, 0.5, torch.zeros(1))
-    with pytest.raises(ValueError, match=r"flags is on cpu"):
-        ops.norm(good, flags=torch.zeros(2, dtype=torch.uint8))
-    with pytest.raises(ValueError, match=r"dst\[0\] is on cpu"):
-        ops.cast_(good, [torch.empty(10), torch.empty(5)])
-    with pytest.raises(ValueError, match=r"growth_tracker is on cpu"):
-        ops.update_scale_(torch.ones(1, device="cuda"), torch.zeros(1, dtype=torch.int32), torch.zeros(1, device="cuda"),
-                          2.0, 0.5, 10)
-    with pytest.raises(TypeError, match=r"tensors\[1\].*int64"):
-        ops.norm([good[0], torch.ones(3, dtype=torch.int64, device="cuda")])
-    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
-        ops._scaler_pass([torch.ones(3, dtype=torch.float16, device="cuda")], 0, 0.5,
-                         torch.zeros(1, device="cuda"), None, True, True)
-    x = good[0].clone()
-    with pytest.raises(ValueError):
-        ops.unscale_([good[0], torch.ones(3)], 0.5, None)
-    assert torch.equal(good[0], x)  # nothing written before the error
 
 
 @two_gpus

@@ -1,5 +1,11 @@
 """Bad input: the right exception type, a message naming the argument,
-position and dtype/device, and every tensor left exactly as it was."""
+position and dtype/device, and every tensor left exactly as it was.
+
+Covers non-floating, complex, non-tensor, meta, sparse and expanded tensors, tensors
+on another device than the list's (on every device), bad auxiliary arguments
+(found_inf, flags, inv_scale, ord, rounding, seed/offset), cast_ length and size
+mismatches and shared memory, update_scale_'s arguments, and the SIMD/thread settings.
+"""
 import math
 import re
 
@@ -97,6 +103,36 @@ def test_non_tensor_element_is_type_error(op, bad):
 @pytest.mark.parametrize("op", OPS)
 def test_meta_device_is_value_error_naming_device(op):
     check_bad_element(op, torch.empty(6, device="meta"), ValueError, ["meta"], position=3)
+
+
+def test_tensor_on_another_device_names_position_and_device(device):
+    """A list on one device with a tensor or an output elsewhere: a ValueError naming the
+    argument, its position and the device, before anything is written. Elsewhere is the meta
+    device for a CPU list (refused outright) and the CPU for a CUDA list."""
+    other = "meta" if device == "cpu" else "cpu"
+    good = [torch.randn(10, device=device), torch.randn(5, device=device).bfloat16()]
+    on = rf"is on (device )?{other}"
+    with pytest.raises(ValueError, match=rf"tensors\[2\] {on}" + (".*cuda:0" if device == "cuda" else "")):
+        ops.unscale_(good + [torch.ones(3, device=other)], 0.5, torch.zeros(1, device=device))
+    with pytest.raises(ValueError, match=rf"found_inf {on}"):
+        ops.unscale_(good, 0.5, torch.zeros(1, device=other))
+    with pytest.raises(ValueError, match=rf"flags {on}"):
+        ops.norm(good, flags=torch.zeros(2, dtype=torch.uint8, device=other))
+    with pytest.raises(ValueError, match=rf"dst\[0\] {on}"):
+        ops.cast_(good, [torch.empty(10, device=other), torch.empty(5, device=other)])
+    with pytest.raises(ValueError, match=rf"growth_tracker {on}"):
+        ops.update_scale_(torch.ones(1, device=device), torch.zeros(1, dtype=torch.int32, device=other),
+                          torch.zeros(1, device=device), 2.0, 0.5, 10)
+    with pytest.raises(TypeError, match=r"tensors\[1\].*int64"):
+        ops.norm([good[0], torch.ones(3, dtype=torch.int64, device=device)])
+    index = -1 if device == "cpu" else torch.device(device).index or 0  # the scaler's device index
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        ops._scaler_pass([torch.ones(3, dtype=torch.float16, device=device)], 0, 0.5,
+                         torch.zeros(1, device=device), None, True, True, index)
+    x = good[0].clone()
+    with pytest.raises(ValueError):
+        ops.unscale_([good[0], torch.ones(3, device=other)], 0.5, None)
+    assert torch.equal(good[0], x)  # nothing written before the error
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -2,11 +2,13 @@
 
 - float16 / bfloat16 <-> float32 / float64 conversions: exhaustive decoding,
   every rounding boundary of the encoders, single rounding from float64;
-- stochastic rounding float32 -> bfloat16: the counter-based random bits
-  (bit-exact against a Python model of the documented formula), neighbours,
-  unbiasedness, reproducibility, SIMD levels and threads;
+- stochastic rounding to bfloat16: the counter-based random bits (bit-exact
+  against a Python model of the documented formula, from float32, float16 and
+  float64 sources, on every device), neighbours, unbiasedness, reproducibility,
+  SIMD levels and threads;
 - the loss-scale update rule: torch._amp_update_scale_ step by step, and the
-  hysteresis / min / max extras against a plain-Python model of DeepSpeed's rule.
+  hysteresis / min / max extras against a plain-Python model of DeepSpeed's
+  rule, on every device (on CUDA the kernel's events equal the CPU's).
 """
 import math
 
@@ -27,9 +29,12 @@ from conftest import (
     assert_exactly_equal,
     f32,
     force_single,
+    finite_values,
     force_threads,
     round_f64_to,
+    sizes,
     special_values,
+    to_device,
     use_simd,
 )
 
@@ -266,9 +271,35 @@ def sr_model(x, seed, offset, tensor_index):
 def sr(src, seed=0, offset=0, inv_scale=None):
     lst = isinstance(src, (list, tuple))
     srcs = list(src) if lst else [src]
-    dsts = [torch.empty(s.shape, dtype=torch.bfloat16) for s in srcs]
+    dsts = [torch.empty(s.shape, dtype=torch.bfloat16, device=s.device) for s in srcs]
     ops.cast_(srcs, dsts, rounding="stochastic", seed=seed, offset=offset, inv_scale=inv_scale)
     return dsts if lst else dsts[0]
+
+
+def f64_to_f32_round_odd(x):
+    """float64 values rounded to float32 toward zero, the last bit set when inexact (round to
+    odd, so that a second rounding sees the discarded bits); past float32's range, the
+    nearest rounding's inf."""
+    a = x.detach().double().contiguous().numpy()
+    with np.errstate(over="ignore", invalid="ignore"):
+        near = a.astype(np.float32)
+        tz = np.where(np.abs(near.astype(np.float64)) > np.abs(a), np.nextafter(near, np.float32(0)), near)
+        odd = tz.view(np.uint32) | (tz.astype(np.float64) != a).astype(np.uint32)
+    out = np.where(np.isfinite(near), odd, near.view(np.uint32))
+    return torch.from_numpy(out.view(np.float32).copy()).reshape(x.shape)
+
+
+def sr_source(src, inv=None):
+    """The float32 value stochastic rounding rounds: x * inv in float32, or for float64
+    sources in float64 (inv as given), rounded to odd into float32."""
+    if src.dtype == torch.float64:
+        return f64_to_f32_round_odd(src if inv is None else src * inv)
+    return src.float() * torch.tensor(f32(1.0 if inv is None else inv))
+
+
+def model_bf16(bits):
+    """sr_model's bits as a bfloat16 tensor."""
+    return torch.from_numpy(bits.astype(np.uint16).view(np.int16)).view(torch.bfloat16)
 
 
 def neighbours(x):
@@ -289,11 +320,34 @@ def test_sr_bits_match_documented_generator(simd, threaded, seed, offset, rng):
         np.testing.assert_array_equal(u16(o), sr_model(s, seed, offset, i), err_msg=f"tensor {i} n={s.numel()}")
 
 
-def test_sr_with_inv_scale_rounds_the_float32_product(simd, rng):
-    x = special_values(torch.float32, 5000, rng)
-    got = sr(x, 7, 8, inv_scale=0.37)
-    prod = x * torch.tensor(f32(0.37))
-    np.testing.assert_array_equal(u16(got), sr_model(prod, 7, 8, 0))
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.float64, torch.float16], ids=dt_id)
+def test_sr_rounds_the_product_with_the_documented_bits(device, simd, src_dtype, rng):
+    """Every source dtype, every size, with inv_scale: the bits of the documented generator
+    applied to the product (sr_source); on CUDA also bit-identical to the CPU."""
+    if src_dtype == torch.float32:
+        x = special_values(torch.float32, 5000, rng)
+        got = sr(x.to(device), 7, 8, inv_scale=0.37)
+        model = sr_model(sr_source(x, 0.37), 7, 8, 0)
+        if device == "cpu":  # NaN payloads included
+            np.testing.assert_array_equal(u16(got), model)
+        assert_bits_equal(got.cpu(), model_bf16(model))
+    lengths = sizes(device) + [3 * CHUNK + 1]
+    srcs = [finite_values(src_dtype, n, rng) for n in lengths]
+    for seed, offset in ((0, 0), (123, 9), (2**64 - 1, 2**63 + 5)):
+        outs = sr(to_device(srcs, device), seed, offset, inv_scale=0.5)
+        for i, (x, o) in enumerate(zip(srcs, outs)):
+            np.testing.assert_array_equal(u16(o.cpu()), sr_model(sr_source(x, 0.5), seed, offset, i),
+                                          err_msg=f"n={lengths[i]} seed={seed} offset={offset}")
+        if device == "cuda":
+            for a, c in zip(outs, sr(srcs, seed, offset, inv_scale=0.5)):
+                assert_exactly_equal(a.cpu(), c, f"seed={seed} offset={offset} vs ampx CPU")
+    special = [special_values(src_dtype, n, rng) for n in (17, 5000)]
+    outs = sr(to_device(special, device), 1, 2)
+    for i, (x, o) in enumerate(zip(special, outs)):
+        assert_bits_equal(o.cpu(), model_bf16(sr_model(sr_source(x), 1, 2, i)), f"special values, tensor {i}")
+    if device == "cuda":
+        for a, c in zip(outs, sr(special, 1, 2)):
+            assert_bits_equal(a.cpu(), c, "special values vs ampx CPU")
 
 
 def test_sr_results_are_neighbours(simd, rng):
@@ -444,8 +498,9 @@ def _torch_update(scale, tracker, found, g, b, interval):
     torch._amp_update_scale_(scale, tracker, found, g, b, interval)
 
 
-def _state(scale=65536.0, tracker=0):
-    return torch.tensor([scale], dtype=torch.float32), torch.tensor([tracker], dtype=torch.int32)
+def _state(scale=65536.0, tracker=0, device="cpu"):
+    return (torch.tensor([scale], dtype=torch.float32, device=device),
+            torch.tensor([tracker], dtype=torch.int32, device=device))
 
 
 @pytest.mark.parametrize(
@@ -461,18 +516,18 @@ def _state(scale=65536.0, tracker=0):
         (3.0, 1.0 / 3.0, 4, 7.0, 0.25),
     ],
 )
-def test_update_scale_matches_torch_step_by_step(growth, backoff, interval, start, p_inf, rng):
-    s_a, t_a = _state(start)
-    s_t, t_t = _state(start)
+def test_update_scale_matches_torch_step_by_step(device, growth, backoff, interval, start, p_inf, rng):
+    s_a, t_a = _state(start, device=device)
+    s_t, t_t = _state(start, device=device)
     at_top = 0  # steps spent where one more growth would overflow float32
     for step in range(1500):
         r = rng.random()
         val = 0.0 if r >= p_inf else [1.0, math.inf, math.nan, 0.5, -1.0][int(rng.integers(0, 5))]
-        found = torch.tensor([val])
+        found = torch.tensor([val], device=device)
         ret = ops.update_scale_(s_a, t_a, found, growth, backoff, interval)
         assert ret is s_a
         _torch_update(s_t, t_t, found, growth, backoff, interval)
-        assert_exactly_equal(s_a, s_t, f"scale at step {step}")
+        assert_exactly_equal(s_a.cpu(), s_t.cpu(), f"scale at step {step}")
         assert t_a.item() == t_t.item(), f"tracker at step {step}"
         assert found.item() == val or math.isnan(val)  # found_inf is read, not written
         at_top += not math.isfinite(f32(s_a.item() * growth))
@@ -548,16 +603,26 @@ EXTRA_CASES = [
 
 
 @pytest.mark.parametrize("case", EXTRA_CASES)
-def test_update_scale_extras_match_deepspeed_model(case, rng):
+def test_update_scale_extras_match_deepspeed_model(device, case, rng):
     growth, backoff, interval, hyst, consec, min_s, max_s, start, p_inf = case
-    s, t = _state(start)
-    h = torch.tensor([hyst], dtype=torch.int32)
+    s, t = _state(start, device=device)
+    h = torch.tensor([hyst], dtype=torch.int32, device=device)
+    cpu = _state(start) + (torch.tensor([hyst], dtype=torch.int32),)  # the CPU's state, on CUDA
     state = (f32(start), 0, hyst)
     seen = set()
     for step in range(1500):
         val = 0.0 if rng.random() >= p_inf else [1.0, math.inf, math.nan][int(rng.integers(0, 3))]
-        ops.update_scale_(s, t, torch.tensor([val]), growth, backoff, interval, hysteresis=hyst,
-                          hysteresis_tracker=h, consecutive_hysteresis=consec, min_scale=min_s, max_scale=max_s)
+        if device == "cpu":
+            ops.update_scale_(s, t, torch.tensor([val]), growth, backoff, interval, hysteresis=hyst,
+                              hysteresis_tracker=h, consecutive_hysteresis=consec, min_scale=min_s,
+                              max_scale=max_s)
+        else:  # the events, a 0-dim tensor the kernel writes on the device, are the CPU's
+            ev = ops._update_scale_events(s, t, torch.tensor([val], device=device), growth, backoff, interval,
+                                          hyst, h if hyst > 1 else None, consec, min_s, max_s)
+            cev = ops._update_scale_events(cpu[0], cpu[1], torch.tensor([val]), growth, backoff, interval,
+                                           hyst, cpu[2] if hyst > 1 else None, consec, min_s, max_s)
+            assert isinstance(ev, torch.Tensor) and ev.device.type == "cuda"
+            assert int(ev.item()) == cev, step
         state = model_update(state, val, growth, backoff, interval, hyst, consec, min_s, max_s)
         got = (s.item(), t.item(), h.item())
         assert got == state, f"step {step}: got {got}, model {state}"

@@ -1,10 +1,16 @@
-"""ampx.ops kernels against independent references (torch ops, float64 sums).
+"""ampx.ops kernels against independent references (torch ops, float64 sums), on every device.
 
-Covers unscale_, norm (ord 2/1/inf, factor, per_tensor), unscale_norm_, mul_
-and cast_ (nearest) over special values, sizes around every vector width and
-chunk, every SIMD level, the threaded path, thousands of tensors, mixed
-dtypes, non-contiguous and aliasing tensors, and the GIL release.
+Covers unscale_, check_finite, norm (ord 2/1/inf, factor, per_tensor), unscale_norm_, mul_
+and cast_ (nearest) over special values, sizes either side of every vector width, chunk
+(and on CUDA block and launch) boundary, the inf/NaN flag bytes, every SIMD level, the
+threaded path, misaligned and non-contiguous views, aliasing lists, 1 to thousands of
+tensors, mixed dtypes, fixed-order (run-to-run identical) norms, and the GIL release.
+
+Tests taking the `device` fixture run on "cpu" and, where a GPU is usable, "cuda"; there
+they also check that the stored values are bit-identical to the CPU's and the norms within
+one float32 ulp of them. CUDA-only behaviour (streams, graphs, devices) is in test_cuda.py.
 """
+import contextlib
 import math
 import sys
 import threading
@@ -33,14 +39,19 @@ from conftest import (
     assert_bits_equal,
     assert_exactly_equal,
     assert_norm_close,
+    assert_same_float,
+    CUDA_MAX_TENSORS,
     f32,
     finite_values,
     force_single,
     force_threads,
+    host,
     norm_ref64,
     rand_list,
     round_f64_to,
+    sizes,
     special_values,
+    to_device,
     unscale_ref,
     use_simd,
 )
@@ -76,23 +87,54 @@ def cast_ref(src, dst_dtype, inv=None):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
-def test_unscale_every_size_matches_torch(simd, dtype, rng):
+def test_unscale_every_size_matches_torch(device, simd, dtype, rng):
     invs = [0.37, 2.0**-16, 1.0 / 3.0, 3.0, 1e-3]
-    for k, n in enumerate(ALL_SIZES):
+    torch_has_it = not (device == "cuda" and dtype == torch.bfloat16)  # refused on CUDA (pytorch issue 127176)
+    for k, n in enumerate(sizes(device)):
         inv = invs[k % len(invs)]
-        x = special_values(dtype, n, rng)
-        orig = x.clone()
-        found = torch.zeros(1)
-        flags = torch.full((1,), 77, dtype=torch.uint8)
-        ops.unscale_([x], torch.tensor([inv]), found, flags=flags)
-        assert_bits_equal(x, unscale_ref(orig, torch.tensor([inv])), f"size {n}")
-        # torch's own kernel, the contract named in the docstring
-        ref = orig.clone()
-        ref_found = torch.zeros(1)
-        torch._amp_foreach_non_finite_check_and_unscale_([ref], ref_found, torch.tensor([inv]))
-        assert_bits_equal(x, ref, f"size {n} vs torch._amp_foreach_non_finite_check_and_unscale_")
-        assert found.item() == ref_found.item() == (1.0 if any_nonfinite([orig]) else 0.0)
+        orig = special_values(dtype, n, rng)
+        x = orig.to(device, copy=True)
+        found = torch.zeros(1, device=device)
+        flags = torch.full((1,), 77, dtype=torch.uint8, device=device)
+        ops.unscale_([x], torch.tensor([inv], device=device), found, flags=flags)
+        assert_bits_equal(x.cpu(), unscale_ref(orig, torch.tensor([inv])), f"size {n}")
+        if torch_has_it:  # torch's own kernel, the contract named in the docstring
+            ref = orig.to(device, copy=True)
+            ref_found = torch.zeros(1, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_([ref], ref_found, torch.tensor([inv], device=device))
+            assert_bits_equal(x.cpu(), ref.cpu(), f"size {n} vs torch._amp_foreach_non_finite_check_and_unscale_")
+            assert ref_found.item() == found.item()
+        assert found.item() == (1.0 if any_nonfinite([orig]) else 0.0)
         assert flags.tolist() == expected_flags([orig])
+        if k % 3 == 0:  # found_inf only and a Python float (on CUDA: the path without a workspace)
+            y = orig.to(device, copy=True)
+            found = torch.zeros(1, device=device)
+            ops.unscale_(y, inv, found)
+            assert_bits_equal(y.cpu(), unscale_ref(orig, inv), f"size {n} without flags")
+            assert found.item() == (1.0 if any_nonfinite([orig]) else 0.0)
+    # every size in one call
+    origs = [special_values(dtype, n, rng) for n in sizes(device)]
+    tensors = to_device(origs, device)
+    found = torch.zeros(1, device=device)
+    flags = torch.full((len(tensors),), 0xFF, dtype=torch.uint8, device=device)
+    ops.unscale_(tensors, torch.tensor([0.37], device=device), found, flags=flags)
+    for a, o in zip(host(tensors), origs):
+        assert_bits_equal(a, unscale_ref(o, torch.tensor([0.37])), f"n={o.numel()} in a list")
+    assert flags.tolist() == expected_flags(origs)
+    assert found.item() == (1.0 if any_nonfinite(origs) else 0.0)
+    if torch_has_it:
+        ref = to_device(origs, device)
+        ref_found = torch.zeros(1, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(ref, ref_found, torch.tensor([0.37], device=device))
+        for a, r in zip(host(tensors), host(ref)):
+            assert_bits_equal(a, r, "list vs torch._amp_foreach_non_finite_check_and_unscale_")
+        assert ref_found.item() == found.item()
+    if device == "cuda":  # bit-identical to ampx's CPU kernels
+        c, cfound, cflags = clones(origs), torch.zeros(1), torch.zeros(len(origs), dtype=torch.uint8)
+        ops.unscale_(c, torch.tensor([0.37]), cfound, flags=cflags)
+        for a, b in zip(host(tensors), c):
+            assert_bits_equal(a, b, "vs ampx CPU")
+        assert cflags.tolist() == flags.tolist() and cfound.item() == found.item()
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
@@ -110,16 +152,42 @@ def test_unscale_mixed_list_matches_reference(simd, threaded, dtype, rng):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
-@pytest.mark.parametrize("inv", [4.0, 2.0**-20, 2.0**-30, 0.0, -1.5])
-def test_unscale_overflow_underflow_zero_negative(simd, dtype, inv, rng):
+@pytest.mark.parametrize("inv", [4.0, 2.0**-20, 2.0**-30, 0.0, -1.5, math.inf, math.nan])
+def test_unscale_overflow_underflow_zero_negative(device, simd, dtype, inv, rng):
     """Products that overflow to inf, land in the subnormal range, flush to
-    zero, or change sign, all rounded as torch rounds them."""
-    x = special_values(dtype, 333, rng, p_special=0.4)
-    orig = x.clone()
-    found = torch.zeros(1)
-    ops.unscale_(x, inv, found)
-    assert_bits_equal(x, unscale_ref(orig, inv))
-    assert found.item() == (1.0 if any_nonfinite([orig]) else 0.0)
+    zero, change sign or become NaN, all rounded as torch rounds them."""
+    x = special_values(dtype, 333 if device == "cpu" else 5000, rng, p_special=0.4)
+    g = x.to(device, copy=True)
+    found = torch.zeros(1, device=device)
+    ops.unscale_(g, inv, found)
+    assert_bits_equal(g.cpu(), unscale_ref(x, inv))
+    assert found.item() == (1.0 if any_nonfinite([x]) else 0.0)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
+def test_misaligned_views_give_the_bits_of_aligned_ones(device, simd, dtype, rng):
+    """Views starting 1, 2, 3, 5 elements into a buffer (not 16-byte aligned; on CUDA the
+    scalar path) store and reduce exactly as an aligned copy does."""
+    base = finite_values(dtype, 3 * CHUNK + 200, rng).to(device)
+    for k in (1, 2, 3, 5):
+        v = base[k : k + 2 * CHUNK + 77]
+        if v.data_ptr() % 16 == 0:
+            continue
+        aligned = v.clone()  # a fresh allocation: 16-byte aligned
+        assert aligned.data_ptr() % 16 == 0
+        for ord in ORDS:
+            a = ops.norm([v], ord, factor=0.37, per_tensor=True)
+            b = ops.norm([aligned], ord, factor=0.37, per_tensor=True)
+            assert_exactly_equal(a[0].cpu(), b[0].cpu(), f"k={k} ord={ord}")
+            assert_exactly_equal(a[1].cpu(), b[1].cpu())
+            assert_norm_close(a[0].item(), norm_ref64([unscale_ref(v.cpu(), 0.37)], ord)[0])
+        ref = unscale_ref(v.cpu(), 0.37)
+        ops.unscale_(v, 0.37, None)
+        assert_bits_equal(v.cpu(), ref)
+        d = torch.empty(v.numel(), dtype=torch.float32, device=device)[1:]
+        src = base[k + 1 : k + 1 + d.numel()]
+        ops.cast_(src, d, inv_scale=0.5)
+        assert_bits_equal(d.cpu(), cast_ref(src.cpu(), torch.float32, 0.5))
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
@@ -188,7 +256,7 @@ def test_found_inf_reads_inputs_not_products(simd):
 
 # ------------------------------------------------------------ flag bytes --
 
-FLAG_SIZES = [1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 100, CHUNK + 1]
+FLAG_SIZES = [1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 100, 4097, CHUNK + 1]
 
 
 def _flag_cases(dtype, rng):
@@ -208,28 +276,26 @@ def _flag_cases(dtype, rng):
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
 @pytest.mark.parametrize("op", ["unscale_", "check_finite", "norm", "unscale_norm_", "cast_"])
-def test_flags_at_first_middle_last(simd, dtype, op, rng):
+def test_flags_at_first_middle_last(device, simd, dtype, op, rng):
     for n, pos, kind, t, bit in _flag_cases(dtype, rng):
-        before = finite_values(dtype, 17, rng)
-        after = finite_values(dtype, 33, rng)
-        tensors = [before, t, after]
-        origs = clones(tensors)
-        found = torch.zeros(1)
-        flags = torch.full((3,), 0xFF, dtype=torch.uint8)
+        origs = [finite_values(dtype, 17, rng), t, finite_values(dtype, 33, rng)]
+        tensors = to_device(origs, device)
+        found = torch.zeros(1, device=device)
+        flags = torch.full((3,), 0xFF, dtype=torch.uint8, device=device)
         where = f"n={n} pos={pos} kind={kind}"
         if op == "unscale_":
             ops.unscale_(tensors, 0.5, found, flags=flags)
         elif op == "check_finite":
             ops.check_finite(tensors, found, flags=flags)
-            assert_list_unchanged(tensors, origs, where)
+            assert_list_unchanged(host(tensors), origs, where)
         elif op == "norm":
             total = ops.norm(tensors, 2, found_inf=found, flags=flags)
             assert math.isinf(total.item()) if bit == FLAG_INF else math.isnan(total.item()), where
-            assert_list_unchanged(tensors, origs, where)
+            assert_list_unchanged(host(tensors), origs, where)
         elif op == "unscale_norm_":
             ops.unscale_norm_(tensors, 0.5, found, flags=flags)
         else:
-            dsts = [torch.empty(x.shape, dtype=torch.float32) for x in tensors]
+            dsts = [torch.empty(x.shape, dtype=torch.float32, device=device) for x in tensors]
             ops.cast_(tensors, dsts, found_inf=found, flags=flags)
         assert flags.tolist() == [0, bit, 0], where
         assert found.item() == 1.0, where
@@ -249,59 +315,78 @@ def test_flags_clean_tensors_are_zero(simd, dtype, rng):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
-def test_check_finite_every_size(simd, threaded, dtype, rng):
-    tensors = [special_values(dtype, n, rng, p_special=0.002) for n in ALL_SIZES]
-    tensors += [finite_values(dtype, n, rng) for n in (1, 17, CHUNK + 1)]
-    origs = clones(tensors)
-    found = torch.zeros(1)
-    flags = torch.full((len(tensors),), 0xFF, dtype=torch.uint8)
+def test_check_finite_every_size(device, simd, threaded, dtype, rng):
+    origs = [special_values(dtype, n, rng, p_special=0.002) for n in sizes(device)]
+    origs += [finite_values(dtype, n, rng) for n in (1, 17, CHUNK + 1)]
+    tensors = to_device(origs, device)
+    found = torch.zeros(1, device=device)
+    flags = torch.full((len(tensors),), 0xFF, dtype=torch.uint8, device=device)
     ops.check_finite(tensors, found, flags=flags)
-    assert_list_unchanged(tensors, origs, "check_finite is read-only")
+    assert_list_unchanged(host(tensors), origs, "check_finite is read-only")
     assert flags.tolist() == expected_flags(origs)
     assert found.item() == (1.0 if any_nonfinite(origs) else 0.0)
-    clean = torch.zeros(1)
+    # without flags; found_inf is set, never cleared
+    clean = torch.zeros(1, device=device)
     ops.check_finite(tensors[-3:], clean)
     assert clean.item() == 0.0
-    sticky = torch.ones(1)
+    sticky = torch.ones(1, device=device)
     ops.check_finite(tensors[-3:], sticky)
     assert sticky.item() == 1.0
     ops.check_finite([], clean)
-    ops.check_finite(torch.tensor([math.nan]), clean)
+    assert clean.item() == 0.0
+    tensors[-1][CHUNK] = math.nan  # in the last chunk of the last tensor
+    ops.check_finite(tensors[-3:], clean)
+    assert clean.item() == 1.0
+    clean.zero_()
+    ops.check_finite(torch.tensor([math.nan], device=device), clean)
     assert clean.item() == 1.0
 
 
 # ------------------------------------------------------------------ norm --
 
 
-def _check_norm_call(tensors, ord, factor, per_tensor, msg=""):
-    origs = clones(tensors)
-    res = ops.norm(tensors, ord, factor=factor, per_tensor=per_tensor)
-    assert_list_unchanged(tensors, origs, f"norm is read-only ({msg})")
-    stored = [unscale_ref(t, factor) for t in origs] if factor is not None else origs
+def _check_norm_call(tensors, ord, factor, per_tensor, msg="", device="cpu"):
+    """ops.norm on `device` copies of `tensors` (CPU tensors) against the float64 reference;
+    factor "tensor" is a 1-element tensor 0.37 on the device."""
+    g = to_device(tensors, device)
+    fg = torch.tensor([0.37], device=device) if factor == "tensor" else factor
+    fc = torch.tensor([0.37]) if factor == "tensor" else factor
+    res = ops.norm(g, ord, factor=fg, per_tensor=per_tensor)
+    assert_list_unchanged(host(g), tensors, f"norm is read-only ({msg})")
+    stored = [unscale_ref(t, fc) for t in tensors] if factor is not None else tensors
     total_ref, per_ref = norm_ref64(stored, ord)
+    total, per = res if per_tensor else (res, None)
     if per_tensor:
-        total, per = res
-        assert per.dtype == torch.float32 and per.shape == (len(tensors),)
-        for i, (g, r) in enumerate(zip(per.tolist(), per_ref)):
-            assert_norm_close(g, r, msg=f"{msg} per_tensor[{i}]")
-    else:
-        total = res
-    assert total.dtype == torch.float32 and total.dim() == 0
+        assert per.dtype == torch.float32 and per.shape == (len(tensors),) and per.device.type == device
+        for i, (a, r) in enumerate(zip(per.tolist(), per_ref)):
+            assert_norm_close(a, r, msg=f"{msg} per_tensor[{i}]")
+    assert total.dtype == torch.float32 and total.dim() == 0 and total.device.type == device
     assert_norm_close(total.item(), total_ref, msg=f"{msg} total")
+    if device == "cuda":  # ampx's CPU kernels: the same float64 sums, in another order
+        c = ops.norm(tensors, ord, factor=fc, per_tensor=per_tensor)
+        ctotal, cper = c if per_tensor else (c, None)
+        assert_same_float(total.item(), ctotal.item(), f"{msg} total vs ampx CPU")
+        if per_tensor:
+            for i, (a, b) in enumerate(zip(per.tolist(), cper.tolist())):
+                assert_same_float(a, b, f"{msg} per[{i}] vs ampx CPU")
     return res
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
 @pytest.mark.parametrize("ord", ORDS)
-def test_norm_every_size_against_float64(simd, dtype, ord, rng):
-    tensors = [finite_values(dtype, n, rng) for n in ALL_SIZES]
-    for factor in (None, 0.37, 2.0**-7, 3.0):
+def test_norm_every_size_against_float64(device, simd, dtype, ord, rng):
+    tensors = [finite_values(dtype, n, rng) for n in sizes(device)]
+    for factor in (None, 0.37, 2.0**-7, 3.0, "tensor"):
         for per_tensor in (False, True):
-            _check_norm_call(tensors, ord, factor, per_tensor, f"factor={factor} per_tensor={per_tensor}")
+            _check_norm_call(tensors, ord, factor, per_tensor, f"factor={factor} per_tensor={per_tensor}", device)
     # single-tensor calls hit each size's vector/tail split on its own
     for t in tensors:
-        _check_norm_call([t], ord, None, True, f"n={t.numel()}")
-        _check_norm_call([t], ord, 0.37, False, f"n={t.numel()} factor")
+        _check_norm_call([t], ord, None, True, f"n={t.numel()}", device)
+        _check_norm_call([t], ord, 0.37, False, f"n={t.numel()} factor", device)
+    if ord == 2.0 and dtype != torch.float64:  # and torch's own norms on the device
+        g = to_device(tensors, device)
+        tn = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([t.float() for t in g if t.numel()])), 2)
+        assert_norm_close(ops.norm(g, 2).item(), float(tn), rel=1e-5)
 
 
 @pytest.mark.parametrize("ord", ORDS)
@@ -310,7 +395,7 @@ def test_norm_mixed_dtypes_and_tensor_factor(simd, threaded, ord, rng):
     _check_norm_call(tensors, ord, None, True)
     _check_norm_call(tensors, ord, 0.0625, True)
     a = ops.norm(tensors, ord, factor=torch.tensor([0.3]), per_tensor=True)
-    b = ops.norm(tensors, ord, factor=0.3, per_tensor=True)
+    b = ops.norm(tensors, ord, factor=f32(0.3), per_tensor=True)  # float64 tensors: the same factor
     assert_exactly_equal(a[0], b[0])
     assert_exactly_equal(a[1], b[1])
 
@@ -325,57 +410,56 @@ def test_norm_with_factor_uses_rounded_values(simd, dtype):
     assert ops.norm([x], math.inf, factor=factor).item() == 1.0
 
 
-def test_norm_float64_not_rounded_through_float32(simd):
-    x = torch.full((3,), 1.0 + 2.0**-40, dtype=torch.float64)
+def test_norm_float64_not_rounded_through_float32(device, simd):
+    x = torch.full((3,), 1.0 + 2.0**-40, dtype=torch.float64, device=device)
     assert ops.norm([x], math.inf).item() == f32(1.0 + 2.0**-40)
-    y = torch.tensor([1e-30, 1e30], dtype=torch.float64)
+    y = torch.tensor([1e-30, 1e30], dtype=torch.float64, device=device)
     # in float32 arithmetic 1e-30**2 would underflow, and it does not matter: total is exact
     assert_norm_close(ops.norm([y], 2).item(), 1e30)
-    z = torch.tensor([3e-39, 4e-39], dtype=torch.float64)  # squares underflow float32 but not float64
+    z = torch.tensor([3e-39, 4e-39], dtype=torch.float64, device=device)  # squares underflow float32, not float64
     assert_norm_close(ops.norm([z], 2).item(), 5e-39)
 
 
-def test_norm_accumulates_in_float64(simd):
+def test_norm_accumulates_in_float64(device, simd):
     # 2**24 + 3 ones: a float32 running sum would stall at 2**24.
-    x = torch.ones(2**24 + 3)
+    x = torch.ones(2**24 + 3, device=device)
     assert ops.norm([x], 1).item() == f32(2**24 + 3)  # = 2**24 + 4, the float32 nearest the exact sum
     assert_norm_close(ops.norm([x], 1).item(), 2**24 + 3, rel=1e-7)
     assert_norm_close(ops.norm([x], 2).item(), math.sqrt(2**24 + 3), rel=1e-7)
     # tiny squares that underflow float32 but add up in float64
-    y = torch.full((1000,), 1e-25)
+    y = torch.full((1000,), 1e-25, device=device)
     assert_norm_close(ops.norm([y], 2).item(), math.sqrt(1000) * 1e-25)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
 @pytest.mark.parametrize("ord", ORDS)
-def test_norm_nonfinite(simd, dtype, ord, rng):
-    for n in (1, 9, 17, 33, 1000):
+def test_norm_nonfinite_and_huge(device, simd, dtype, ord, rng):
+    for n in (1, 9, 17, 33, 1000, 4097, CHUNK + 3):
         for kind in (math.inf, -math.inf, math.nan):
             for pos in (0, n // 2, n - 1):
                 t = finite_values(dtype, n, rng)
                 t[pos] = kind
                 clean = torch.randn(20).to(dtype)
-                total, per = ops.norm([clean, t], ord, per_tensor=True)
+                total, per = ops.norm(to_device([clean, t], device), ord, per_tensor=True)
                 if math.isnan(kind):
                     assert math.isnan(total.item()) and math.isnan(per[1].item()), (n, pos, ord)
                 else:
                     assert total.item() == math.inf and per[1].item() == math.inf, (n, pos, ord)
                 assert math.isfinite(per[0].item())
     # NaN wins over inf
-    t = torch.tensor([math.inf, math.nan, 1.0] * 6, dtype=dtype)
+    t = torch.tensor([math.inf, math.nan, 1.0] * 6, dtype=dtype, device=device)
     assert math.isnan(ops.norm([t], ord).item())
+    # values at the dtype's max, and subnormals
+    fi = torch.finfo(dtype)
+    big = torch.full((5000,), fi.max, dtype=dtype)
+    assert_norm_close(ops.norm(big.to(device), ord).item(), norm_ref64([big], ord)[0])
+    tiny = torch.full((5000,), fi.smallest_normal * fi.eps, dtype=dtype)
+    assert_norm_close(ops.norm(tiny.to(device), ord).item(), norm_ref64([tiny], ord)[0])
 
 
-@pytest.mark.parametrize(
-    "ord",
-    [
-        2.0,
-        1.0,
-        math.inf,
-    ],
-)
+@pytest.mark.parametrize("ord", ORDS)
 @pytest.mark.parametrize("n", [1, 5, 40])
-def test_norm_of_nan_products_is_nan(simd, ord, n):
+def test_norm_of_nan_products_is_nan(device, simd, ord, n):
     """The scaled norm is that of the products as unscale_ stores them; if a
     product is NaN (inf * 0, or a NaN factor) the norm must be NaN."""
     x = torch.full((n,), 3.0)
@@ -383,10 +467,11 @@ def test_norm_of_nan_products_is_nan(simd, ord, n):
     stored = unscale_ref(x, 0.0)
     assert torch.isnan(stored).any()
     assert math.isnan(torch.linalg.vector_norm(stored.double(), ord).item())
+    x = x.to(device)
     assert math.isnan(ops.norm([x], ord, factor=0.0).item())
-    assert math.isnan(ops.norm([torch.ones(n)], ord, factor=math.nan).item())
+    assert math.isnan(ops.norm([torch.ones(n, device=device)], ord, factor=math.nan).item())
     y = x.clone()
-    r = ops.unscale_norm_([y], 0.0, torch.zeros(1), ord=ord)
+    r = ops.unscale_norm_([y], 0.0, torch.zeros(1, device=device), ord=ord)
     assert torch.isnan(y[n // 2])
     assert math.isnan(r.item())
 
@@ -424,59 +509,79 @@ def test_norm_small_known_values():
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
 @pytest.mark.parametrize("ord", ORDS)
-def test_unscale_norm_equals_unscale_then_norm(simd, dtype, ord, rng):
+def test_unscale_norm_equals_unscale_then_norm(device, simd, dtype, ord, rng):
     for data in ("finite", "special"):
         make = finite_values if data == "finite" else special_values
-        tensors = [make(dtype, n, rng) for n in ALL_SIZES]
-        origs = clones(tensors)
-        found = torch.zeros(1)
-        flags = torch.zeros(len(tensors), dtype=torch.uint8)
-        total, per = ops.unscale_norm_(tensors, torch.tensor([0.37]), found, ord=ord, flags=flags, per_tensor=True)
-        for i, (t, o) in enumerate(zip(tensors, origs)):
+        origs = [make(dtype, n, rng) for n in sizes(device)]
+        tensors = to_device(origs, device)
+        found = torch.zeros(1, device=device)
+        flags = torch.zeros(len(tensors), dtype=torch.uint8, device=device)
+        inv = torch.tensor([0.37], device=device)
+        total, per = ops.unscale_norm_(tensors, inv, found, ord=ord, flags=flags, per_tensor=True)
+        stored = host(tensors)
+        for i, (t, o) in enumerate(zip(stored, origs)):
             assert_bits_equal(t, unscale_ref(o, torch.tensor([0.37])), f"tensor {i}")
-        total_ref, per_ref = norm_ref64(tensors, ord)  # the norm of the values as stored
+        total_ref, per_ref = norm_ref64(stored, ord)  # the norm of the values as stored
         assert_norm_close(total.item(), total_ref, msg=data)
         for g, r in zip(per.tolist(), per_ref):
             assert_norm_close(g, r, msg=data)
         # the very bits norm() gives on the stored values
         t2, p2 = ops.norm(tensors, ord, per_tensor=True)
-        assert_bits_equal(total, t2)  # (NaN payloads are not part of the contract)
-        assert_bits_equal(per, p2)
+        assert_bits_equal(total.cpu(), t2.cpu())  # (NaN payloads are not part of the contract)
+        assert_bits_equal(per.cpu(), p2.cpu())
         # and the bits of the scaled read-only norm of the originals
-        t3, p3 = ops.norm(origs, ord, factor=torch.tensor([0.37]), per_tensor=True)
+        t3, p3 = ops.norm(to_device(origs, device), ord, factor=inv, per_tensor=True)
         if data == "finite":
-            assert_exactly_equal(total, t3)
-            assert_exactly_equal(per, p3)
+            assert_exactly_equal(total.cpu(), t3.cpu())
+            assert_exactly_equal(per.cpu(), p3.cpu())
         assert flags.tolist() == expected_flags(origs)
         assert found.item() == (1.0 if any_nonfinite(origs) else 0.0)
 
 
-def test_unscale_norm_returns_total_only_by_default(simd):
-    x = torch.tensor([6.0, 8.0])
-    r = ops.unscale_norm_(x, 0.5, torch.zeros(1))
-    assert isinstance(r, torch.Tensor) and r.dim() == 0 and r.item() == 5.0
+def test_unscale_norm_returns_total_only_by_default(device, simd, rng):
+    x = torch.tensor([6.0, 8.0], device=device)
+    r = ops.unscale_norm_(x, 0.5, torch.zeros(1, device=device))
+    assert isinstance(r, torch.Tensor) and r.dim() == 0 and r.item() == 5.0 and r.device.type == device
     assert x.tolist() == [3.0, 4.0]
+    # bfloat16 gradients (which torch's CUDA unscale refuses), ord 2, a tensor factor
+    origs = [finite_values(torch.bfloat16, n, rng) for n in (3, 4096, CHUNK + 5)]
+    grads = to_device(origs, device)
+    found = torch.zeros(1, device=device)
+    total = ops.unscale_norm_(grads, torch.tensor([2.0**-8], device=device), found)
+    for a, o in zip(host(grads), origs):
+        assert_bits_equal(a, unscale_ref(o, 2.0**-8))
+    assert_norm_close(total.item(), norm_ref64(host(grads), 2)[0])
+    assert found.item() == 0.0
 
 
 # ------------------------------------------------------------------ mul_ --
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
-def test_mul_every_size(simd, dtype, rng):
+def test_mul_every_size(device, simd, dtype, rng):
     factors = [2.5, 0.1, 65536.0, -0.75, 1e-8]
-    for k, n in enumerate(ALL_SIZES):
-        x = special_values(dtype, n, rng)
-        o = x.clone()
+    for k, n in enumerate(sizes(device)):
+        o = special_values(dtype, n, rng)
+        x = o.to(device, copy=True)
         f = factors[k % len(factors)]
         ops.mul_([x], f)
-        assert_bits_equal(x, unscale_ref(o, f), f"n={n} factor={f}")
+        assert_bits_equal(x.cpu(), unscale_ref(o, f), f"n={n} factor={f}")
         # torch's own multiply in the tensor's compute type
         if dtype != torch.float64:
-            assert_bits_equal(x, (o.float() * f32(f)).to(dtype), f"n={n} torch mul")
-    y = finite_values(dtype, 100, rng)
-    z = y.clone()
-    ops.mul_(y, torch.tensor([1.75]))
-    assert_bits_equal(y, unscale_ref(z, 1.75))
+            assert_bits_equal(x.cpu(), (o.float() * f32(f)).to(dtype), f"n={n} torch mul")
+    # every size in one call
+    tensors = [special_values(dtype, n, rng) for n in sizes(device)]
+    for f in factors:
+        g = to_device(tensors, device)
+        ops.mul_(g, f)
+        for a, o in zip(host(g), tensors):
+            assert_bits_equal(a, unscale_ref(o, f), f"n={o.numel()} factor={f} in a list")
+    # a factor tensor on the device, and one on the CPU (its value, read now)
+    for where in {device, "cpu"}:
+        g = to_device(tensors, device)
+        ops.mul_(g, torch.tensor([1.75], device=where))
+        for a, o in zip(host(g), tensors):
+            assert_bits_equal(a, unscale_ref(o, 1.75), f"factor tensor on {where}")
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
@@ -494,21 +599,42 @@ def test_mul_overflow_near_max_matches_torch(simd, dtype):
 
 @pytest.mark.parametrize("src_dtype", FLOAT_DTYPES, ids=dt_id)
 @pytest.mark.parametrize("dst_dtype", FLOAT_DTYPES, ids=dt_id)
-def test_cast_every_pair_every_size(simd, src_dtype, dst_dtype, rng):
-    for k, n in enumerate(ALL_SIZES):
+def test_cast_every_pair_every_size(device, simd, src_dtype, dst_dtype, rng):
+    for k, n in enumerate(sizes(device)):
         inv = [None, 0.37, 2.0**-10][k % 3]
-        src = special_values(src_dtype, n, rng)
-        orig = src.clone()
-        dst = torch.full((n,), 7.0, dtype=dst_dtype)
-        found = torch.zeros(1)
-        flags = torch.zeros(1, dtype=torch.uint8)
+        orig = special_values(src_dtype, n, rng)
+        src = orig.to(device, copy=True)
+        dst = torch.full((n,), 7.0, dtype=dst_dtype, device=device)
+        found = torch.zeros(1, device=device)
+        flags = torch.zeros(1, dtype=torch.uint8, device=device)
         ops.cast_([src], [dst], inv_scale=inv, found_inf=found, flags=flags)
-        assert_exactly_equal(src, orig, "source changed")
-        assert_bits_equal(dst, cast_ref(orig, dst_dtype, inv), f"n={n} inv={inv}")
+        assert_exactly_equal(src.cpu(), orig, "source changed")
+        assert_bits_equal(dst.cpu(), cast_ref(orig, dst_dtype, inv), f"n={n} inv={inv}")
         if inv is None and not (src_dtype == torch.float64 and dst_dtype in LOW_DTYPES):
-            assert_bits_equal(dst, orig.to(dst_dtype), f"n={n} vs torch .to()")
+            assert_bits_equal(dst.cpu(), orig.to(dst_dtype), f"n={n} vs torch .to()")
         assert flags.tolist() == expected_flags([orig])
         assert found.item() == (1.0 if any_nonfinite([orig]) else 0.0)
+    # every size in one call, with a Python or a tensor inv_scale
+    srcs = [special_values(src_dtype, n, rng) for n in sizes(device)]
+    for inv in (None, 0.37, "tensor"):
+        ig = torch.tensor([0.37], device=device) if inv == "tensor" else inv
+        ic = torch.tensor([0.37]) if inv == "tensor" else inv
+        sg = to_device(srcs, device)
+        dg = [torch.full((s.numel(),), 7.0, dtype=dst_dtype, device=device) for s in srcs]
+        found = torch.zeros(1, device=device)
+        flags = torch.zeros(len(srcs), dtype=torch.uint8, device=device)
+        ops.cast_(sg, dg, inv_scale=ig, found_inf=found, flags=flags)
+        for i, (a, s) in enumerate(zip(host(dg), srcs)):
+            assert_bits_equal(a, cast_ref(s, dst_dtype, ic), f"n={s.numel()} inv={inv} in a list")
+        for a, s in zip(host(sg), srcs):
+            assert_exactly_equal(a, s, "source changed")
+        assert flags.tolist() == expected_flags(srcs)
+        assert found.item() == (1.0 if any_nonfinite(srcs) else 0.0)
+        if device == "cuda":  # bit-identical to ampx's CPU kernels
+            dc = [torch.full((s.numel(),), 7.0, dtype=dst_dtype) for s in srcs]
+            ops.cast_(srcs, dc, inv_scale=ic)
+            for a, c in zip(host(dg), dc):
+                assert_bits_equal(a, c, f"inv={inv} vs ampx CPU")
 
 
 def test_cast_mixed_list_with_tensor_inv_scale(simd, threaded, rng):
@@ -617,17 +743,30 @@ def test_threaded_path_is_bit_identical_to_single_thread(simd, special, rng):
         assert_exactly_equal(g, m, f"output {k}: threaded run to run")
 
 
-def test_threaded_norm_identical_run_to_run(rng):
-    tensors = _big_list(rng, special=False)
-    with force_threads(4):
+def test_norm_identical_run_to_run_and_whatever_the_neighbours(device, rng):
+    """Fixed-order sums: the same bits on every run, with any thread count (CPU) or launch split
+    (CUDA); a tensor's norm does not depend on the tensors around it or on which chunk list or
+    launch carries it; the aliasing path (one tensor at a time) gives the batched path's bits."""
+    tensors = to_device([finite_values(torch.float32, n, rng) for n in (CHUNK * 7 + 3, 5, 300000)]
+                        + [finite_values(torch.bfloat16, 1000, rng) for _ in range(300)]
+                        + _big_list(rng, special=False), device)
+    with force_threads(4) if device == "cpu" else contextlib.nullcontext():
         first = ops.norm(tensors, 2, per_tensor=True)
-        for _ in range(10):
+        for _ in range(10 if device == "cpu" else 20):
+            r = ops.norm(tensors, 2, per_tensor=True)
+            assert_exactly_equal(r[0].cpu(), first[0].cpu())
+            assert_exactly_equal(r[1].cpu(), first[1].cpu())
+        for i in (0, 1, 2, 150, 302, 303, len(tensors) - 1):
+            alone = ops.norm([tensors[i]], 2)
+            assert_exactly_equal(alone.cpu(), first[1][i : i + 1].cpu().reshape(()), f"tensor {i}")
+        batched = ops.unscale_norm_(tensors, 1.0, None, per_tensor=True)
+        seq = ops.unscale_norm_(tensors + [tensors[0]], 1.0, None, per_tensor=True)
+        assert_exactly_equal(seq[1][: len(tensors)].cpu(), batched[1].cpu())
+        assert_exactly_equal(batched[1].cpu(), first[1].cpu())
+    if device == "cpu":
+        with force_threads(2):
             r = ops.norm(tensors, 2, per_tensor=True)
             assert_exactly_equal(r[0], first[0])
-            assert_exactly_equal(r[1], first[1])
-    with force_threads(2):
-        r = ops.norm(tensors, 2, per_tensor=True)
-        assert_exactly_equal(r[0], first[0])
 
 
 def test_every_simd_level_stores_the_same_bits(rng):
@@ -697,11 +836,11 @@ def test_threaded_with_thread_count_above_cores(rng):
 # ---------------------------------------------------- many tensors, lists --
 
 
-def test_thousands_of_small_tensors(simd, threaded, rng):
-    tensors = rand_list(rng, 3000, 300)
-    origs = clones(tensors)
-    found = torch.zeros(1)
-    flags = torch.zeros(3000, dtype=torch.uint8)
+def test_thousands_of_small_tensors(device, simd, threaded, rng):
+    origs = rand_list(rng, 5000, 300) + [torch.empty(0)] * 7
+    tensors = to_device(origs, device)
+    found = torch.zeros(1, device=device)
+    flags = torch.full((len(tensors),), 9, dtype=torch.uint8, device=device)
     total, per = ops.norm(tensors, 2, per_tensor=True, flags=flags)
     total_ref, per_ref = norm_ref64(origs, 2)
     assert_norm_close(total.item(), total_ref)
@@ -710,26 +849,46 @@ def test_thousands_of_small_tensors(simd, threaded, rng):
     assert flags.tolist() == expected_flags(origs)
     flags.zero_()
     ops.unscale_(tensors, 0.25, found, flags=flags)
-    for i, (t, o) in enumerate(zip(tensors, origs)):
+    for i, (t, o) in enumerate(zip(host(tensors), origs)):
         assert_bits_equal(t, unscale_ref(o, 0.25), f"tensor {i}")
     assert flags.tolist() == expected_flags(origs)
     assert found.item() == (1.0 if any_nonfinite(origs) else 0.0)
-    dsts = [torch.empty(t.shape, dtype=torch.float32) for t in origs]
-    ops.cast_(origs, dsts)
-    for i, (d, o) in enumerate(zip(dsts, origs)):
+    dsts = [torch.empty(t.shape, dtype=torch.float32, device=device) for t in origs]
+    ops.cast_(to_device(origs, device), dsts)
+    for i, (d, o) in enumerate(zip(host(dsts), origs)):
         assert_bits_equal(d, cast_ref(o, torch.float32), f"cast {i}")
 
 
-@pytest.mark.parametrize("count", [1, 2, 3, 17, 129, 1000])
-def test_tensor_counts(simd, count, rng):
-    tensors = rand_list(rng, count, 70, special=False)
-    origs = clones(tensors)
-    total, per = ops.unscale_norm_(tensors, 0.5, torch.zeros(1), ord=1, per_tensor=True)
-    for t, o in zip(tensors, origs):
-        assert_bits_equal(t, unscale_ref(o, 0.5))
-    total_ref, per_ref = norm_ref64(tensors, 1)
-    assert_norm_close(total.item(), total_ref)
-    assert len(per) == count
+M = CUDA_MAX_TENSORS  # tensors per CUDA launch
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 17, M - 1, M, M + 1, 129, 2 * M, 2 * M + 1, 1000, 3000])
+def test_tensor_counts(device, simd, count, rng):
+    for special in (False, True):
+        origs = rand_list(rng, count, 300 if special else 70, special=special)
+        tensors = to_device(origs, device)
+        found = torch.zeros(1, device=device)
+        flags = torch.zeros(count, dtype=torch.uint8, device=device)
+        total, per = ops.unscale_norm_(tensors, 0.5, found, ord=1, flags=flags, per_tensor=True)
+        stored = host(tensors)
+        for t, o in zip(stored, origs):
+            assert_bits_equal(t, unscale_ref(o, 0.5))
+        total_ref, per_ref = norm_ref64(stored, 1)
+        assert_norm_close(total.item(), total_ref)
+        for a, r in zip(per.tolist(), per_ref):
+            assert_norm_close(a, r)
+        assert len(per) == count
+        assert flags.tolist() == expected_flags(origs)
+        assert found.item() == (1.0 if any_nonfinite(origs) else 0.0)
+        if device == "cuda":  # ampx's CPU kernels: the same bits, the same sums in another order
+            c, cfound = clones(origs), torch.zeros(1)
+            ctotal, cper = ops.unscale_norm_(c, 0.5, cfound, ord=1, per_tensor=True)
+            for a, b in zip(stored, c):
+                assert_bits_equal(a, b)
+            assert found.item() == cfound.item()
+            assert_same_float(total.item(), ctotal.item())
+            for a, b in zip(per.tolist(), cper.tolist()):
+                assert_same_float(a, b)
 
 
 def test_single_tensor_tuple_and_generator_inputs(simd):
@@ -746,9 +905,9 @@ def test_single_tensor_tuple_and_generator_inputs(simd):
     assert d.tolist() == [1.0, 2.0]
 
 
-def test_empty_list_and_empty_tensors_are_noops(simd):
-    found = torch.tensor([0.0])
-    flags = torch.zeros(0, dtype=torch.uint8)
+def test_empty_list_and_empty_tensors_are_noops(device, simd):
+    found = torch.tensor([0.0], device=device)
+    flags = torch.zeros(0, dtype=torch.uint8, device=device)
     ops.unscale_([], 0.5, found, flags=flags)
     ops.check_finite([], found, flags=flags)
     assert found.item() == 0.0
@@ -760,12 +919,12 @@ def test_empty_list_and_empty_tensors_are_noops(simd):
         assert ops.unscale_norm_([], 0.5, found, ord=ord).item() == 0.0
     ops.cast_([], [], found_inf=found)
     assert found.item() == 0.0
-    e = [torch.empty(0), torch.empty(0, 3, dtype=torch.float16)]
-    fl = torch.full((2,), 9, dtype=torch.uint8)
+    e = [torch.empty(0, device=device), torch.empty(0, 3, dtype=torch.float16, device=device)]
+    fl = torch.full((2,), 9, dtype=torch.uint8, device=device)
     t, p = ops.norm(e, per_tensor=True, flags=fl, found_inf=found)
     assert t.item() == 0.0 and p.tolist() == [0.0, 0.0] and fl.tolist() == [0, 0]
     ops.unscale_(e, 0.5, found)
-    ops.cast_(e, [torch.empty(0, dtype=torch.bfloat16), torch.empty(0, dtype=torch.float64)])
+    ops.cast_(e, [torch.empty(0, dtype=dt, device=device) for dt in (torch.bfloat16, torch.float64)])
     assert found.item() == 0.0
 
 
@@ -784,66 +943,68 @@ def _views(base):
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
 @pytest.mark.parametrize("view", list(_views(None)))
-def test_noncontiguous_every_op(simd, dtype, view, rng):
+def test_noncontiguous_every_op(device, simd, dtype, view, rng):
     mk = _views(None)[view]
 
     def fresh():
-        return special_values(dtype, 40 * 30, rng).reshape(40, 30)
+        orig = special_values(dtype, 40 * 30, rng).reshape(40, 30)
+        return orig.to(device, copy=True), orig
 
     # unscale_: the view's elements are unscaled, the rest of the buffer untouched
-    base = fresh()
-    orig = base.clone()
+    base, orig = fresh()
     v = mk(base)
     assert not v.is_contiguous()
-    found = torch.zeros(1)
-    flags = torch.zeros(2, dtype=torch.uint8)
-    other = special_values(dtype, 50, rng)
-    other_o = other.clone()
+    found = torch.zeros(1, device=device)
+    flags = torch.zeros(2, dtype=torch.uint8, device=device)
+    other_o = special_values(dtype, 50, rng)
+    other = other_o.to(device, copy=True)
     ops.unscale_([v, other], 0.37, found, flags=flags)
     expect = orig.clone()
     mk(expect).copy_(unscale_ref(mk(orig), 0.37))
-    assert_bits_equal(base, expect, "unscale_ on a view")
-    assert_bits_equal(other, unscale_ref(other_o, 0.37))
+    assert_bits_equal(base.cpu(), expect, "unscale_ on a view")
+    assert_bits_equal(other.cpu(), unscale_ref(other_o, 0.37))
     assert flags.tolist() == expected_flags([mk(orig), other_o])
     assert found.item() == (1.0 if any_nonfinite([mk(orig), other_o]) else 0.0)
 
     # mul_
-    base = fresh()
-    orig = base.clone()
+    base, orig = fresh()
     ops.mul_(mk(base), 2.5)
     expect = orig.clone()
     mk(expect).copy_(unscale_ref(mk(orig), 2.5))
-    assert_bits_equal(base, expect, "mul_ on a view")
+    assert_bits_equal(base.cpu(), expect, "mul_ on a view")
 
     # norm (read-only) and unscale_norm_
-    base = fresh()
-    orig = base.clone()
+    base, orig = fresh()
+    other = other_o.to(device, copy=True)
     for ord in ORDS:
         total, per = ops.norm([mk(base), other], ord, factor=0.5, per_tensor=True)
-        tr, pr = norm_ref64([unscale_ref(mk(orig), 0.5), unscale_ref(other, 0.5)], ord)
+        tr, pr = norm_ref64([unscale_ref(mk(orig), 0.5), unscale_ref(other_o, 0.5)], ord)
         assert_norm_close(total.item(), tr)
         assert_norm_close(per[0].item(), pr[0])
-    assert_exactly_equal(base, orig, "norm wrote into a view")
-    total = ops.unscale_norm_(mk(base), 0.5, torch.zeros(1), ord=1)
+    assert_exactly_equal(base.cpu(), orig, "norm wrote into a view")
+    total = ops.unscale_norm_(mk(base), 0.5, torch.zeros(1, device=device), ord=1)
     expect = orig.clone()
     mk(expect).copy_(unscale_ref(mk(orig), 0.5))
-    assert_bits_equal(base, expect)
+    assert_bits_equal(base.cpu(), expect)
     assert_norm_close(total.item(), norm_ref64([mk(expect)], 1)[0])
 
     # cast_: non-contiguous source, and non-contiguous destination
-    base = fresh()
-    orig = base.clone()
+    base, orig = fresh()
     for dst_dt in FLOAT_DTYPES:
-        d = torch.empty(mk(base).shape, dtype=dst_dt)
+        d = torch.empty(mk(base).shape, dtype=dst_dt, device=device)
         ops.cast_(mk(base), d, inv_scale=0.5)
-        assert_bits_equal(d, cast_ref(mk(orig), dst_dt, 0.5), f"cast from a view to {dst_dt}")
-        dbase = torch.full((40, 30), 9.0, dtype=dst_dt)
+        assert_bits_equal(d.cpu(), cast_ref(mk(orig), dst_dt, 0.5), f"cast from a view to {dst_dt}")
+        dbase = torch.full((40, 30), 9.0, dtype=dst_dt, device=device)
         src = finite_values(dtype, mk(dbase).numel(), rng)
-        ops.cast_(src, mk(dbase), inv_scale=0.5)
+        ops.cast_(src.to(device), mk(dbase), inv_scale=0.5)
         expect = torch.full((40, 30), 9.0, dtype=dst_dt)
         mk(expect).copy_(cast_ref(src, dst_dt, 0.5).reshape(mk(expect).shape))
-        assert_bits_equal(dbase, expect, f"cast into a view of {dst_dt}")
-    assert_exactly_equal(base, orig)
+        assert_bits_equal(dbase.cpu(), expect, f"cast into a view of {dst_dt}")
+        if device == "cuda":  # bit-identical to ampx's CPU kernels
+            c = torch.full((40, 30), 9.0, dtype=dst_dt)
+            ops.cast_(src, mk(c), inv_scale=0.5)
+            assert_bits_equal(dbase.cpu(), c, f"cast into a view of {dst_dt} vs ampx CPU")
+    assert_exactly_equal(base.cpu(), orig)
 
 
 def test_norm_of_expanded_tensor_counts_every_element(simd):
@@ -858,41 +1019,40 @@ def test_norm_of_expanded_tensor_counts_every_element(simd):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
-def test_unscale_same_tensor_twice_multiplies_twice(simd, dtype, rng):
+def test_unscale_same_tensor_twice_multiplies_twice(device, simd, dtype, rng):
     for n in (1, 17, 1000, CHUNK + 1):
-        x = special_values(dtype, n, rng)
-        o = x.clone()
-        flags = torch.zeros(2, dtype=torch.uint8)
-        ops.unscale_([x, x], 0.37, torch.zeros(1), flags=flags)
-        assert_bits_equal(x, unscale_ref(unscale_ref(o, 0.37), 0.37), f"n={n}")
+        o = special_values(dtype, n, rng)
+        x = o.to(device, copy=True)
+        flags = torch.zeros(2, dtype=torch.uint8, device=device)
+        ops.unscale_([x, x], 0.37, torch.zeros(1, device=device), flags=flags)
+        assert_bits_equal(x.cpu(), unscale_ref(unscale_ref(o, 0.37), 0.37), f"n={n}")
         # the second pass sees the first one's output
         assert flags.tolist() == expected_flags([o, unscale_ref(o, 0.37)])
-        y = special_values(dtype, n, rng)
-        o = y.clone()
+        o = special_values(dtype, n, rng)
+        y = o.to(device, copy=True)
         ops.mul_([y, y, y], 3.0)
-        assert_bits_equal(y, unscale_ref(unscale_ref(unscale_ref(o, 3.0), 3.0), 3.0))
+        assert_bits_equal(y.cpu(), unscale_ref(unscale_ref(unscale_ref(o, 3.0), 3.0), 3.0))
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
-def test_overlapping_views_apply_in_list_order(simd, dtype, rng):
+def test_overlapping_views_apply_in_list_order(device, simd, dtype, rng):
     for n in (40, 3000, 2 * CHUNK):
-        buf = special_values(dtype, n, rng)
-        o = buf.clone()
+        o = special_values(dtype, n, rng)
+        buf = o.to(device, copy=True)
         q = n // 4
         a, b = buf[0 : 3 * q], buf[q:]  # overlap in [q, 3q)
-        ops.unscale_([a, b], 0.37, torch.zeros(1))
+        ops.unscale_([a, b], 0.37, torch.zeros(1, device=device))
         expect = o.clone()
         expect[0 : 3 * q] = unscale_ref(expect[0 : 3 * q], 0.37)
         expect[q:] = unscale_ref(expect[q:], 0.37)
-        assert_bits_equal(buf, expect, f"n={n}")
+        assert_bits_equal(buf.cpu(), expect, f"n={n}")
     # a transposed (non-contiguous) view and the buffer itself, and a third tensor
-    buf = finite_values(dtype, 64, rng).reshape(8, 8)
-    o = buf.clone()
-    other = finite_values(dtype, 10, rng)
-    oo = other.clone()
+    o = finite_values(dtype, 64, rng).reshape(8, 8)
+    oo = finite_values(dtype, 10, rng)
+    buf, other = o.to(device, copy=True), oo.to(device, copy=True)
     ops.mul_([buf.t(), buf, other], 1.5)
-    assert_bits_equal(buf, unscale_ref(unscale_ref(o, 1.5), 1.5))
-    assert_bits_equal(other, unscale_ref(oo, 1.5))
+    assert_bits_equal(buf.cpu(), unscale_ref(unscale_ref(o, 1.5), 1.5))
+    assert_bits_equal(other.cpu(), unscale_ref(oo, 1.5))
 
 
 @pytest.mark.parametrize("order", ["ascending", "descending", "shuffled"])
@@ -946,19 +1106,19 @@ def test_aliasing_threaded_many_tensors(rng):
     assert_bits_equal(buf, expect)
 
 
-def test_aliasing_same_tensor_many_times_threaded():
-    """64 entries of one tensor under the thread pool: each entry must see
-    the previous one's result (no lost updates between threads)."""
-    x = torch.ones(CHUNK, dtype=torch.float32)
-    y = torch.ones(CHUNK + 5, dtype=torch.bfloat16)
-    with force_threads(4):
+def test_same_tensor_many_times_sees_each_previous_result(device):
+    """64 entries of one tensor (on the CPU under the thread pool): each entry must see
+    the previous one's result (no lost updates between threads or blocks)."""
+    x = torch.ones(CHUNK, dtype=torch.float32, device=device)
+    y = torch.ones(CHUNK + 5, dtype=torch.bfloat16, device=device)
+    with force_threads(4) if device == "cpu" else contextlib.nullcontext():
         for _ in range(3):
             x.fill_(1.0)
             ops.mul_([x] * 64, 2.0)
             assert bool((x == 2.0**64).all()), torch.unique(x)
             y.fill_(1.0)
-            flags = torch.zeros(40, dtype=torch.uint8)
-            ops.unscale_([y] * 40, 16.0, torch.zeros(1), flags=flags)
+            flags = torch.zeros(40, dtype=torch.uint8, device=device)
+            ops.unscale_([y] * 40, 16.0, torch.zeros(1, device=device), flags=flags)
             # 16**32 = 2**128 overflows: the tensors after the 32nd see inf
             assert bool(torch.isinf(y).all())
             assert flags.tolist() == [0] * 32 + [ops.FLAG_INF] * 8

@@ -1,8 +1,12 @@
-"""ampx.GradScaler, MasterWeights and the sharded scaler on CUDA tensors (skipped without a GPU).
+"""CUDA-only behaviour of ampx.GradScaler, MasterWeights and the sharded scaler (skipped
+without a GPU).
 
-The CPU suites cover the rules; these check that the scaler's passes run on ampx's CUDA kernels
-with the same results as torch's scaler, and that a fused-optimizer step never waits for the
-host (torch.cuda.set_sync_debug_mode("error") turns any synchronizing call into an error).
+The rules are tested on the CPU (test_scaler.py, test_scaler_parity.py, test_master.py);
+these check what only a GPU run shows: the scaler's passes on ampx's CUDA kernels under CUDA
+autocast and fused/foreach CUDA optimizers give torch's scaler's results, bfloat16 gradients
+that torch's CUDA unscale refuses are unscaled, and a fused-optimizer step, with clipping and
+with an NCCL process group, never waits for the host (torch.cuda.set_sync_debug_mode("error")
+turns any synchronizing call into an error).
 """
 import contextlib
 import math
@@ -11,9 +15,9 @@ import pytest
 import torch
 
 import ampx
+from conftest import CUDA, NO_CUDA_REASON
 
-gpu = pytest.mark.skipif(not (torch.cuda.is_available() and ampx.cuda.is_available()),
-                         reason="needs a GPU and ampx's CUDA kernels")
+gpu = pytest.mark.skipif(not CUDA, reason=NO_CUDA_REASON)
 
 
 @contextlib.contextmanager

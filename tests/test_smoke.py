@@ -1,3 +1,6 @@
+"""A first check that the build works: ampx imports, reports its SIMD levels, unscales
+like torch on a small tensor, and says why its CUDA path is unavailable on a machine
+without a GPU. The behaviour itself is tested in the files named after it."""
 import torch
 
 import ampx
