@@ -302,10 +302,7 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
             RuntimeError: called twice, or after ``step``, in the same iteration.
         """
         if not self._enabled:
-            if isinstance(optimizer, MasterWeights):
-                optimizer._ampx_cast_grads_()  # clip the float32 copies, not the bf16 gradients
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+            return self._clip_without_scaling(optimizer, max_norm, norm_type, error_if_nonfinite)
         self._check_scale_growth_tracker("clip_grad_norm_")
         state = self._per_optimizer_states[id(optimizer)]
         if state["clipped"]:
@@ -338,6 +335,28 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
         if plain and on_cpu:
             hints[id(optimizer)] = float(coef) < 1.0
         return total
+
+    def _clip_without_scaling(self, optimizer, max_norm, norm_type, error_if_nonfinite):
+        """A disabled scaler (bf16, fp32): no unscale, but still one fused norm and one fused
+        multiply (torch's rule for the coefficient; the norm accumulated in float64, as the
+        scaler's). Sparse gradients, other norms and error_if_nonfinite take torch's clip."""
+        if isinstance(optimizer, MasterWeights):
+            optimizer._ampx_cast_grads_()  # clip the float32 copies, not the bf16 gradients
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        params, grads, devices = self._params_with_grads(optimizer)
+        ord_ = float(norm_type)
+        if ord_ in _ORD and not error_if_nonfinite and devices is None and grads:
+            with torch.no_grad():
+                try:
+                    total = ops.norm(grads, ord_)
+                except _C.LayoutError:  # sparse or wrapper gradients: torch's clip below
+                    total = None
+                if total is not None:
+                    ops.mul_(grads, _clip_coef(max_norm, total))
+                    self._last_norm = total
+                    return total
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
 
     def _clip_other_norm(self, optimizer, state, max_norm, norm_type, error_if_nonfinite):
         """Route 1, a norm the kernels do not compute (p other than 2, 1, inf): unscale, then

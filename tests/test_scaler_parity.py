@@ -1674,17 +1674,28 @@ def test_clip_grad_norm_error_if_nonfinite_and_disabled():
     model.bias.grad[0] = math.inf
     with pytest.raises(RuntimeError, match="non-finite"):
         scaler.clip_grad_norm_(opt, 1.0, error_if_nonfinite=True)
-    # disabled: plain torch clipping of the optimizer's parameters
+    # disabled (bf16 / fp32 training): nothing to unscale, but the same fused norm and multiply
+    # as the enabled scaler, so torch's clip to float32 rounding of the norm; the norm itself
+    # is the float64 one rounded once.
     ref, sut = twins()
     scaler = ampx_scaler(enabled=False)
     x, y = batches()[0]
     mse(ref(x), y).backward()
     scaler.scale(mse(sut(x), y)).backward()
+    want = torch.linalg.vector_norm(torch.cat([p.grad.double().flatten() for p in sut.parameters()]))
     n_ref = nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
     n_sut = scaler.clip_grad_norm_(make_opt(torch.optim.SGD, sut), 0.1)
-    same(n_sut, n_ref)
+    assert n_sut.dtype == torch.float32 and n_sut.item() == want.float().item()
+    torch.testing.assert_close(n_sut, n_ref, rtol=2e-7, atol=0)
     for a, b in zip(sut.parameters(), ref.parameters()):
-        same(a.grad, b.grad)
+        torch.testing.assert_close(a.grad, b.grad, rtol=2e-7, atol=0)
+    assert scaler.stats()["last_norm"] == n_sut.item()  # telemetry sees the clip, as when enabled
+    # torch's clip where the kernels have no norm or must raise: other p, error_if_nonfinite
+    ref, sut = twins()
+    mse(ref(x), y).backward()
+    mse(sut(x), y).backward()
+    same(scaler.clip_grad_norm_(make_opt(torch.optim.SGD, sut), 0.1, norm_type=3.0),
+         nn.utils.clip_grad_norm_(ref.parameters(), 0.1, norm_type=3.0))
 
 
 def test_clip_grad_norm_overflow_skips_step():
