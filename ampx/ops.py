@@ -185,14 +185,17 @@ def _cuda_device(tensors):
     return -1
 
 
-try:  # what torch.autograd.graph.increment_version calls, for a whole list in one C++ loop
-    _increment_version = torch._C._increment_version
-except AttributeError:  # pragma: no cover - an older torch: the public per-tensor function
-    from torch.autograd.graph import increment_version as _one_version
+def _bump_each(tensors):
+    """The public way to bump version counters, one tensor at a time."""
+    from torch.autograd.graph import increment_version
 
-    def _increment_version(tensors):
-        for t in tensors:
-            _one_version(t)
+    for t in tensors:
+        increment_version(t)
+
+
+# What torch.autograd.graph.increment_version calls, for a whole list in one C++ loop; a torch
+# without it gets the public function (tests run both).
+_increment_version = getattr(torch._C, "_increment_version", _bump_each)
 
 
 def _written(tensors):

@@ -6,7 +6,6 @@ inf check, norm and scale update is one call of an ``ampx.ops`` kernel over all 
 device, whatever their dtypes.
 """
 import math
-from collections import deque
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -14,6 +13,7 @@ from torch.amp.grad_scaler import OptState
 from . import _C, ops
 from .master import MasterWeights
 from .sharding import agree, check_sharded_placements, combine
+from .checkpoint import GROWTH_TIMINGS, CheckpointMixin
 from .telemetry import OverflowReport, TelemetryMixin, _LazySkip
 
 __all__ = ["GradScaler", "ShardedGradScaler", "OverflowReport"]
@@ -22,10 +22,10 @@ _TorchScaler = torch.amp.GradScaler
 
 _ORD = {2.0: _C.REDUCE_SUMSQ, 1.0: _C.REDUCE_SUMABS, math.inf: _C.REDUCE_MAXABS}
 _MIN_SCALE_ACTIONS = ("warn", "raise", "ignore")
-_GROWTH_TIMINGS = ("torch", "deepspeed")
+_GROWTH_TIMINGS = GROWTH_TIMINGS
 
 
-class GradScaler(TelemetryMixin, torch.amp.GradScaler):
+class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
     """Loss scaling for mixed-precision training; a drop-in for ``torch.amp.GradScaler``.
 
     Without the keyword-only extras it behaves exactly as torch's scaler (same scale after
@@ -66,6 +66,10 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
 
     # Tests set this to run the device-side (deferred) telemetry path on a CPU scale.
     _force_lazy_telemetry = False
+
+    @staticmethod
+    def _fresh_states():
+        return _fresh_states()
 
     def __init__(self, device="cuda", init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
                  growth_interval=2000, enabled=True, *, hysteresis=1, consecutive_hysteresis=False,
@@ -540,129 +544,6 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
         # the device has got there (at a later update, or when stats() or a report asks), so
         # the step never waits for the host.
         self._defer(scale, found, events, sources)
-
-    # ---- state ------------------------------------------------------------------------
-
-    def _get_hysteresis_tracker(self):
-        if self._hysteresis_tracker is None:
-            return self._init_hysteresis_tracker
-        return int(self._hysteresis_tracker.item())
-
-    def state_dict(self):
-        """torch's five keys, plus ampx's extras (ignored by torch.amp.GradScaler.load_state_dict)."""
-        sd = super().state_dict()
-        if not sd:
-            return sd
-        sd.update({
-            "hysteresis": self._hysteresis,
-            "consecutive_hysteresis": self._consecutive_hysteresis,
-            "min_scale": self._min_scale,
-            "max_scale": self._max_scale,
-            "dynamic": self._dynamic,
-            "growth_timing": self.__dict__.get("_growth_timing", "torch"),
-            "_hysteresis_tracker": self._get_hysteresis_tracker(),
-            # which clip route each optimizer's next step takes (it decides the last bits of
-            # the gradients, so an exact resume needs it)
-            "_clip_active": list(self.__dict__.get("_clip_active", {}).values()),
-        })
-        return sd
-
-    def load_state_dict(self, state_dict):
-        """Loads a state_dict from ampx or from torch.amp.GradScaler (extras keep their values).
-
-        The whole dict is checked against the constructor's rules before anything changes: a
-        bad checkpoint raises one error naming the key and the rule, and leaves the scaler as
-        it was (KeyError for a missing torch key, ValueError for a bad value)."""
-        if not self._enabled:
-            return
-        if len(state_dict) == 0:
-            return super().load_state_dict(state_dict)  # torch's error for a disabled scaler's dict
-        new = self._checked_state(state_dict)
-        super().load_state_dict(state_dict)
-        self._hysteresis = new["hysteresis"]
-        self._consecutive_hysteresis = new["consecutive_hysteresis"]
-        self._min_scale = new["min_scale"]
-        self._max_scale = new["max_scale"]
-        self._dynamic = new["dynamic"]
-        self._growth_timing = new["growth_timing"]
-        self._init_hysteresis_tracker = new["_hysteresis_tracker"]
-        if self._hysteresis_tracker is not None:
-            self._hysteresis_tracker.fill_(new["_hysteresis_tracker"])
-        self._clip_active = {}
-        self._clip_hints_loaded = new["_clip_active"]
-
-    def _checked_state(self, sd):
-        """ampx's settings as ``load_state_dict`` would leave them, after checking every key."""
-        op = "ampx.GradScaler.load_state_dict"
-        for key in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"):
-            if key not in sd:
-                raise KeyError(f"{op}: the state_dict has no {key!r} (torch's scaler keys are scale, "
-                               "growth_factor, backoff_factor, growth_interval and _growth_tracker)")
-        new = {"hysteresis": sd.get("hysteresis", self._hysteresis),
-               "consecutive_hysteresis": sd.get("consecutive_hysteresis", self._consecutive_hysteresis),
-               "min_scale": sd.get("min_scale", self._min_scale), "max_scale": sd.get("max_scale", self._max_scale),
-               "dynamic": sd.get("dynamic", self._dynamic),
-               "growth_timing": sd.get("growth_timing", self.__dict__.get("_growth_timing", "torch"))}
-        if new["growth_timing"] not in _GROWTH_TIMINGS:
-            raise ValueError(f"{op}: state_dict['growth_timing'] must be one of {_GROWTH_TIMINGS}, "
-                             f"not {new['growth_timing']!r}")
-        new["_hysteresis_tracker"] = sd.get("_hysteresis_tracker", new["hysteresis"])
-
-        def bad(key, rule):
-            raise ValueError(f"{op}: state_dict[{key!r}] must be {rule}, not {sd.get(key)!r}")
-
-        if not (ops._is_real(sd["scale"]) and sd["scale"] >= 0.0):
-            bad("scale", "a number >= 0 (as the constructor's init_scale)")
-        if not (ops._is_real(sd["growth_factor"]) and sd["growth_factor"] > 1.0):
-            bad("growth_factor", "a number > 1 (torch's rule)")
-        if not (ops._is_real(sd["backoff_factor"]) and 0.0 <= sd["backoff_factor"] < 1.0):
-            bad("backoff_factor", "a number in [0, 1)")
-        if not ops._is_count(sd["growth_interval"]):
-            bad("growth_interval", "an integer")
-        low = -1 if new["growth_timing"] == "deepspeed" else 0
-        if not (ops._is_count(sd["_growth_tracker"]) and sd["_growth_tracker"] >= low):
-            bad("_growth_tracker", f"an integer >= {low}")
-        for key in ("consecutive_hysteresis", "dynamic"):
-            if not isinstance(new[key], bool):
-                bad(key, "True or False")
-        try:
-            ops.check_scale_rule(op, hysteresis=new["hysteresis"], min_scale=new["min_scale"],
-                                 max_scale=new["max_scale"])
-        except ValueError as e:  # name the key as it is in the dict
-            raise ValueError(str(e).replace(f"{op}: ", f"{op}: state_dict's ", 1)) from None
-        hints = sd.get("_clip_active", [])
-        if not (isinstance(hints, (list, tuple)) and all(isinstance(h, bool) for h in hints)):
-            bad("_clip_active", "a list of True/False")
-        new["_clip_active"] = list(hints)
-        tracker = new["_hysteresis_tracker"]
-        if not (ops._is_count(tracker) and 1 <= tracker <= new["hysteresis"]):
-            bad("_hysteresis_tracker", f"an integer from 1 to hysteresis ({new['hysteresis']})")
-        new.update(hysteresis=int(new["hysteresis"]), _hysteresis_tracker=int(tracker),
-                   min_scale=float(new["min_scale"]), max_scale=float(new["max_scale"]))
-        return new
-
-    def __getstate__(self):
-        state = super().__getstate__()
-        if self._enabled:
-            state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
-            state["_hysteresis_tracker"] = None
-        if self._enabled:
-            self._drain(wait=True)
-        state["_flag_sources"] = {}
-        # optimizer ids mean nothing in another process: the clip hints travel as in state_dict
-        state["_clip_hints_loaded"] = list(self.__dict__.get("_clip_active", {}).values())
-        state["_clip_active"] = {}
-        state["_pending"] = deque()
-        state["_last_grads"] = None
-        # A process group cannot be pickled; a sharded scaler comes back on the default group.
-        state["process_group"] = None
-        return state
-
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        # A pickle from before every per-optimizer key was declared carries torch's factory.
-        self._per_optimizer_states = _fresh_states()
 
 
 def __getattr__(name):

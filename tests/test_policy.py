@@ -242,3 +242,14 @@ def test_deepspeed_bf16_conflicts(cpu_bf16):
         ampx.Policy("bf16", device="cpu").deepspeed_config({"fp16": {"enabled": True}})
     with pytest.raises(ValueError, match="fp32"):
         ampx.Policy("fp32", device="cpu").deepspeed_config({"bf16": {"enabled": True}})
+
+
+def test_the_cpu_probe_survives_a_torch_without_its_private_probes(monkeypatch):
+    """torch.cpu._is_avx512_bf16_supported and _is_amx_tile_supported are private: without them
+    the probe says no native bf16 (on x86) instead of failing."""
+    monkeypatch.delenv("AMPX_CPU_BF16", raising=False)
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.delattr(torch.cpu, name, raising=False)
+    monkeypatch.setattr(policy_mod.platform, "machine", lambda: "x86_64")
+    assert policy_mod._cpu_has_native_bf16() is False
+    assert ampx.Policy.auto("cpu").dtype == torch.float32

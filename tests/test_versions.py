@@ -61,3 +61,13 @@ def test_a_failed_write_bumps_nothing():
     with pytest.raises(TypeError):
         ops.mul_(ts, 2.0)
     assert ts[0]._version == before
+
+
+def test_the_public_fallback_bumps_the_same(monkeypatch):
+    """ampx uses torch._C._increment_version (private) where it exists, else the public
+    torch.autograd.graph.increment_version one tensor at a time."""
+    monkeypatch.setattr(ops, "_increment_version", ops._bump_each)
+    ts = [torch.randn(5), torch.randn(3, 4).t()]
+    before = [t._version for t in ts]
+    ops.mul_(ts, 2.0)
+    assert all(t._version > b for t, b in zip(ts, before))

@@ -1,0 +1,140 @@
+"""What an ampx.GradScaler saves and loads: state_dict, load_state_dict and pickling.
+
+Owns the checkpoint format (torch's five keys plus ampx's extras, which torch's scaler ignores)
+and its rules: a dict is checked whole against the constructor's rules before anything changes,
+and everything a resumed run needs to repeat the uninterrupted one bit for bit travels with it
+(the hysteresis tracker, the growth timing, the clip route of each optimizer). ``GradScaler``
+(ampx/scaler.py) inherits ``CheckpointMixin``; torch's methods are named, not reached through
+super(), for the reason given there.
+"""
+from collections import deque
+
+import torch
+
+from . import ops
+
+_TorchScaler = torch.amp.GradScaler
+GROWTH_TIMINGS = ("torch", "deepspeed")
+
+
+class CheckpointMixin:
+    def _get_hysteresis_tracker(self):
+        if self._hysteresis_tracker is None:
+            return self._init_hysteresis_tracker
+        return int(self._hysteresis_tracker.item())
+
+    def state_dict(self):
+        """torch's five keys, plus ampx's extras (ignored by torch.amp.GradScaler.load_state_dict)."""
+        sd = _TorchScaler.state_dict(self)
+        if not sd:
+            return sd
+        sd.update({
+            "hysteresis": self._hysteresis,
+            "consecutive_hysteresis": self._consecutive_hysteresis,
+            "min_scale": self._min_scale,
+            "max_scale": self._max_scale,
+            "dynamic": self._dynamic,
+            "growth_timing": self.__dict__.get("_growth_timing", "torch"),
+            "_hysteresis_tracker": self._get_hysteresis_tracker(),
+            # which clip route each optimizer's next step takes (it decides the last bits of
+            # the gradients, so an exact resume needs it)
+            "_clip_active": list(self.__dict__.get("_clip_active", {}).values()),
+        })
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Loads a state_dict from ampx or from torch.amp.GradScaler (extras keep their values).
+
+        The whole dict is checked against the constructor's rules before anything changes: a
+        bad checkpoint raises one error naming the key and the rule, and leaves the scaler as
+        it was (KeyError for a missing torch key, ValueError for a bad value)."""
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            return _TorchScaler.load_state_dict(self, state_dict)  # torch's error for a disabled scaler's dict
+        new = self._checked_state(state_dict)
+        _TorchScaler.load_state_dict(self, state_dict)
+        self._hysteresis = new["hysteresis"]
+        self._consecutive_hysteresis = new["consecutive_hysteresis"]
+        self._min_scale = new["min_scale"]
+        self._max_scale = new["max_scale"]
+        self._dynamic = new["dynamic"]
+        self._growth_timing = new["growth_timing"]
+        self._init_hysteresis_tracker = new["_hysteresis_tracker"]
+        if self._hysteresis_tracker is not None:
+            self._hysteresis_tracker.fill_(new["_hysteresis_tracker"])
+        self._clip_active = {}
+        self._clip_hints_loaded = new["_clip_active"]
+
+    def _checked_state(self, sd):
+        """ampx's settings as ``load_state_dict`` would leave them, after checking every key."""
+        op = "ampx.GradScaler.load_state_dict"
+        for key in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"):
+            if key not in sd:
+                raise KeyError(f"{op}: the state_dict has no {key!r} (torch's scaler keys are scale, "
+                               "growth_factor, backoff_factor, growth_interval and _growth_tracker)")
+        new = {"hysteresis": sd.get("hysteresis", self._hysteresis),
+               "consecutive_hysteresis": sd.get("consecutive_hysteresis", self._consecutive_hysteresis),
+               "min_scale": sd.get("min_scale", self._min_scale), "max_scale": sd.get("max_scale", self._max_scale),
+               "dynamic": sd.get("dynamic", self._dynamic),
+               "growth_timing": sd.get("growth_timing", self.__dict__.get("_growth_timing", "torch"))}
+        if new["growth_timing"] not in GROWTH_TIMINGS:
+            raise ValueError(f"{op}: state_dict['growth_timing'] must be one of {GROWTH_TIMINGS}, "
+                             f"not {new['growth_timing']!r}")
+        new["_hysteresis_tracker"] = sd.get("_hysteresis_tracker", new["hysteresis"])
+
+        def bad(key, rule):
+            raise ValueError(f"{op}: state_dict[{key!r}] must be {rule}, not {sd.get(key)!r}")
+
+        if not (ops._is_real(sd["scale"]) and sd["scale"] >= 0.0):
+            bad("scale", "a number >= 0 (as the constructor's init_scale)")
+        if not (ops._is_real(sd["growth_factor"]) and sd["growth_factor"] > 1.0):
+            bad("growth_factor", "a number > 1 (torch's rule)")
+        if not (ops._is_real(sd["backoff_factor"]) and 0.0 <= sd["backoff_factor"] < 1.0):
+            bad("backoff_factor", "a number in [0, 1)")
+        if not ops._is_count(sd["growth_interval"]):
+            bad("growth_interval", "an integer")
+        low = -1 if new["growth_timing"] == "deepspeed" else 0
+        if not (ops._is_count(sd["_growth_tracker"]) and sd["_growth_tracker"] >= low):
+            bad("_growth_tracker", f"an integer >= {low}")
+        for key in ("consecutive_hysteresis", "dynamic"):
+            if not isinstance(new[key], bool):
+                bad(key, "True or False")
+        try:
+            ops.check_scale_rule(op, hysteresis=new["hysteresis"], min_scale=new["min_scale"],
+                                 max_scale=new["max_scale"])
+        except ValueError as e:  # name the key as it is in the dict
+            raise ValueError(str(e).replace(f"{op}: ", f"{op}: state_dict's ", 1)) from None
+        hints = sd.get("_clip_active", [])
+        if not (isinstance(hints, (list, tuple)) and all(isinstance(h, bool) for h in hints)):
+            bad("_clip_active", "a list of True/False")
+        new["_clip_active"] = list(hints)
+        tracker = new["_hysteresis_tracker"]
+        if not (ops._is_count(tracker) and 1 <= tracker <= new["hysteresis"]):
+            bad("_hysteresis_tracker", f"an integer from 1 to hysteresis ({new['hysteresis']})")
+        new.update(hysteresis=int(new["hysteresis"]), _hysteresis_tracker=int(tracker),
+                   min_scale=float(new["min_scale"]), max_scale=float(new["max_scale"]))
+        return new
+
+    def __getstate__(self):
+        state = _TorchScaler.__getstate__(self)
+        if self._enabled:
+            state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
+            state["_hysteresis_tracker"] = None
+        if self._enabled:
+            self._drain(wait=True)
+        state["_flag_sources"] = {}
+        # optimizer ids mean nothing in another process: the clip hints travel as in state_dict
+        state["_clip_hints_loaded"] = list(self.__dict__.get("_clip_active", {}).values())
+        state["_clip_active"] = {}
+        state["_pending"] = deque()
+        state["_last_grads"] = None
+        # A process group cannot be pickled; a sharded scaler comes back on the default group.
+        state["process_group"] = None
+        return state
+
+
+    def __setstate__(self, state):
+        _TorchScaler.__setstate__(self, state)
+        # A pickle from before every per-optimizer key was declared carries torch's factory.
+        self._per_optimizer_states = self._fresh_states()
