@@ -93,7 +93,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             raise ValueError(f"ampx.GradScaler: backoff_factor must be a number in [0, 1), not {backoff_factor!r}")
         ops.check_scale_rule("ampx.GradScaler", hysteresis=hysteresis, min_scale=lo, max_scale=hi)
         if on_min_scale not in _MIN_SCALE_ACTIONS:
-            raise ValueError(f"on_min_scale must be one of {_MIN_SCALE_ACTIONS}, not {on_min_scale!r}")
+            raise ValueError(f"ampx.GradScaler: on_min_scale must be one of {_MIN_SCALE_ACTIONS}, not {on_min_scale!r}")
         self._hysteresis = int(hysteresis)
         self._consecutive_hysteresis = bool(consecutive_hysteresis)
         self._min_scale = lo

@@ -1,0 +1,36 @@
+"""docs/ERRORS.md stays true: each row's call raises the named exception with the quoted text.
+
+The table is the user-facing list of bad inputs and what each gets; this file walks it, twice
+per row (the second call must fail the same way: nothing cached by the first changes the answer).
+"""
+import math
+import pathlib
+import re
+import warnings
+
+import pytest
+import torch
+
+import ampx
+from ampx import ops
+
+TABLE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "ERRORS.md"
+ROW = re.compile(r"^\| `(?P<call>.+)` \| (?P<exc>\w+) \| `(?P<text>.+)` \|$")
+ROWS = [m.groupdict() for m in map(ROW.match, TABLE.read_text().splitlines()) if m]
+
+
+def test_the_table_is_there():
+    assert len(ROWS) >= 30
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r["call"][:60] for r in ROWS])
+def test_each_row_holds(row):
+    names = {"torch": torch, "ampx": ampx, "ops": ops, "math": math}
+    for _ in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ampx.PerformanceWarning)
+            with pytest.raises(Exception) as info:
+                eval(row["call"], names)
+        kinds = {k.__name__ for k in type(info.value).__mro__}
+        assert row["exc"] in kinds, f"{row['call']} raised {type(info.value).__name__}: {info.value}"
+        assert row["text"] in str(info.value), f"{row['call']}: {info.value}"
