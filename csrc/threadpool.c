@@ -139,13 +139,22 @@ static int find_omp(struct dl_phdr_info *info, size_t size, void *data)
 
 /* GNU libgomp's team does not survive fork: a forked child that enters a
  * parallel region hangs (torch's own ops too). A child therefore always uses
- * ampx's pool, which restarts its workers after fork. */
+ * ampx's pool, which restarts its workers after fork. And when ampx has used
+ * the team in the parent, the child's OpenMP thread count is set to 1, so that
+ * torch's own ops run inline there instead of hanging in the team ampx started
+ * (what torch's DataLoader workers do for themselves). A parent whose torch ops
+ * started the team leaves its children to torch: they hang without ampx too. */
 static int in_forked_child;
+static atomic_int omp_team_used;
+typedef void (*omp_set_threads_fn)(int);
+static omp_set_threads_fn omp_set_threads;
 
 static void omp_after_fork_child(void)
 {
     in_forked_child = 1;
     omp_parallel = NULL;
+    if (omp_set_threads != NULL && atomic_load(&omp_team_used))
+        omp_set_threads(1);
 }
 
 /* Registered when the extension is loaded, so that a child forked before
@@ -173,6 +182,7 @@ static void omp_init(void)
         return;
     /* The handle is kept: it only pins a library that is loaded already. */
     omp_parallel = (gomp_parallel_fn)dlsym(h, "GOMP_parallel");
+    omp_set_threads = (omp_set_threads_fn)dlsym(h, "omp_set_num_threads");
 }
 
 typedef struct {
@@ -214,6 +224,7 @@ void ampx_parallel_for(int nthreads, int64_t ntasks, ampx_task_fn fn, void *ctx)
             j.ctx = ctx;
             j.ntasks = ntasks;
             atomic_store_explicit(&j.next, 0, memory_order_relaxed);
+            atomic_store(&omp_team_used, 1);
             omp_parallel(omp_body, &j, (unsigned)(helpers + 1), 0u);
             return;
         }

@@ -131,3 +131,27 @@ def test_concurrent_callers_from_python_threads():
     for x, e in zip(xs, expect):
         assert float(e) == pytest.approx(float(x.double().abs().sum()), rel=1e-6)
     assert ampx.ops.thread_backend()  # still answers
+
+
+_FORK_TORCH = textwrap.dedent("""
+    import os, sys, torch, ampx
+    from ampx import ops
+    torch.set_num_threads(2)
+    ops.mul_([torch.ones(1 << 22)], 2.0)   # only ampx has used the OpenMP team
+    pid = os.fork()
+    if pid == 0:
+        y = torch.ones(1 << 24)             # torch's parallel fill and sum: hung here before
+        ok = float((y * 2).sum()) == 2.0 * (1 << 24) and torch.get_num_threads() == 1
+        os._exit(0 if ok else 3)
+    _, status = os.waitpid(pid, 0)
+    sys.exit(os.waitstatus_to_exitcode(status))
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_of_an_ampx_parent_runs_torchs_parallel_ops():
+    """A child forked after ampx used torch's OpenMP team: torch's own parallel ops ran into the
+    team libgomp cannot carry across fork and hung; the child now runs them on one thread."""
+    env = {k: v for k, v in os.environ.items() if k not in ("AMPX_THREADING", "AMPX_NUM_THREADS")}
+    r = subprocess.run([sys.executable, "-c", _FORK_TORCH], timeout=60, env=env)
+    assert r.returncode == 0
