@@ -63,19 +63,26 @@ static int take_bool(PyObject *r, int *out)
 
 static int get_bool_attr(PyObject *obj, PyObject *name, int *out) { return take_bool(PyObject_GetAttr(obj, name), out); }
 
+#define NO_STORAGE_HINT                                                                                   \
+    "has no storage of its own (a wrapper subclass such as DTensor, an mkldnn tensor, or one of "     \
+    "torch's efficient zero tensors); pass a tensor with storage (for a DTensor: .to_local(); "      \
+    "otherwise .to_dense() or .clone())"
+
 int get_data_ptr(mstate *st, PyObject *t, char **out)
 {
     PyObject *r = call0(t, st->s_data_ptr);
-    if (r == NULL)
+    if (r == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_RuntimeError)) { /* torch: "Cannot access data pointer ..." */
+            PyErr_Clear();
+            PyErr_Format(st->layout_error, "a %R " NO_STORAGE_HINT, (PyObject *)Py_TYPE(t));
+        }
         return -1;
+    }
     void *p = PyLong_AsVoidPtr(r);
     Py_DECREF(r);
     if (p == NULL) {
         if (!PyErr_Occurred())
-            PyErr_Format(st->layout_error,
-                         "a %R has no storage of its own (a wrapper subclass such as DTensor); "
-                         "pass its local tensor (for a DTensor: .to_local())",
-                         (PyObject *)Py_TYPE(t));
+            PyErr_Format(st->layout_error, "a %R " NO_STORAGE_HINT, (PyObject *)Py_TYPE(t));
         return -1;
     }
     *out = (char *)p;

@@ -34,3 +34,16 @@ def test_each_row_holds(row):
         kinds = {k.__name__ for k in type(info.value).__mro__}
         assert row["exc"] in kinds, f"{row['call']} raised {type(info.value).__name__}: {info.value}"
         assert row["text"] in str(info.value), f"{row['call']}: {info.value}"
+
+
+def test_a_contiguous_nested_tensor_is_its_values():
+    import warnings as w
+
+    a, b = torch.randn(2, 3), torch.randn(4, 3)
+    with w.catch_warnings():
+        w.simplefilter("ignore")
+        nt = torch.nested.nested_tensor([a, b])
+    want = torch.cat([a.flatten(), b.flatten()]).double().norm().float()
+    assert float(ops.norm([nt])) == float(want)
+    ops.unscale_([nt], 0.5, None)
+    assert all(torch.equal(x, y * 0.5) for x, y in zip(nt.unbind(), (a, b)))

@@ -30,7 +30,8 @@ def _calls():
     groups = [{"params": params[:2]}, {"params": params[2:]}]
     meta = torch.nn.Parameter(torch.zeros(3, device="meta"))
     meta.grad = torch.zeros(3, device="meta")
-    mixed = [{"params": params + [meta]}]  # grads on two devices: collect_grads lists them
+    mixed = [{"params": params + [meta]}]
+    mkldnn = torch.randn(4).to_mkldnn()  # grads on two devices: collect_grads lists them
     objs = [x, y, h, fi, fl, inv, scale, tracker, hyst, meta] + dst + shared + params + [p.grad for p in params[::2]]
     calls = [
         ("unscale_", lambda: ops.unscale_([x, y, h], inv, fi, flags=fl)),
@@ -55,6 +56,7 @@ def _calls():
         ("bad_sparse", lambda: ops.norm([torch.zeros(3).to_sparse()])),
         ("bad_type", lambda: ops.norm([x, "nope"])),
         ("bad_param", lambda: ampx._C.collect_grads([{"params": [params[0], 3]}])),
+        ("bad_no_storage", lambda: ops.unscale_([x, mkldnn], 1.0, fi)),  # torch's error, re-worded
     ]
     return objs, calls, bad
 
