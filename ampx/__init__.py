@@ -6,7 +6,15 @@ import os as _os
 
 import torch as _torch
 
-from . import _C
+try:
+    from . import _C
+except ImportError as _e:  # a source tree without its build, often one that shadows an install
+    raise ImportError(
+        f"ampx's C extension (ampx._C) could not be imported from {_os.path.dirname(__file__)}: {_e}. "
+        "If that folder is an ampx source checkout (for instance because Python was started in the "
+        "folder that holds it, which shadows an installed ampx), build it in place with "
+        "`bash scripts/run.sh test` or `pip install -e .`, or start Python from another folder."
+    ) from _e
 
 _C._init(
     _torch.Tensor,

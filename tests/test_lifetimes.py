@@ -3,6 +3,7 @@
 The crash-prone cases run in a child process, so a regression shows up as a failed test, not
 as a dead test run.
 """
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -177,3 +178,26 @@ def test_staged_aliases_still_apply_in_turn():
     y0 = y.clone()
     ops.mul_([y.t(), y[:, :2].t()], 2.0)     # overlapping views, each staged
     assert torch.equal(y[:, :2], y0[:, :2] * 4) and torch.equal(y[:, 2], y0[:, 2] * 2)
+
+
+def test_a_source_tree_without_its_build_says_what_to_do(tmp_path):
+    """Python started in the folder holding an unbuilt ampx checkout imports that checkout."""
+    import shutil
+
+    src = pathlib.Path(ampx.__file__).parent
+    shutil.copytree(src, tmp_path / "ampx", ignore=shutil.ignore_patterns("*.so", "*.fatbin", "__pycache__"))
+    code = textwrap.dedent("""
+        import importlib.abc, sys
+        class NoBuiltC(importlib.abc.MetaPathFinder):  # an editable install elsewhere must not help
+            def find_spec(self, name, path=None, target=None):
+                if name == "ampx._C":
+                    raise ModuleNotFoundError("No module named 'ampx._C'")
+        sys.meta_path.insert(0, NoBuiltC())
+        try:
+            import ampx
+        except ImportError as e:
+            print(e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert "ampx's C extension (ampx._C) could not be imported from" in out.stdout, out.stdout + out.stderr
+    assert str(tmp_path) in out.stdout and "source checkout" in out.stdout
