@@ -202,19 +202,21 @@ def test_a_disabled_scaler_and_an_lr_scheduler_drive_masters(native_bf16):
 
 # ---- checkpoints -------------------------------------------------------------------------
 
-def test_state_dict_holds_fp32_masters_and_resumes_exactly():
-    def run(model, opt, steps, seed):
-        gen = torch.Generator().manual_seed(seed)
-        for _ in range(steps):
-            for p in model.parameters():
-                p.grad = _bf16_values(p.shape, gen)
-            opt.step()
-            opt.zero_grad()
+def _steps_on_random_grads(model, opt, steps, seed):
+    """`steps` optimizer steps on bf16 gradients drawn from `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in model.parameters():
+            p.grad = _bf16_values(p.shape, gen)
+        opt.step()
+        opt.zero_grad()
 
+
+def test_state_dict_holds_fp32_masters_and_resumes_exactly():
     a = _mlp()
     opt_a = ampx.MasterWeights(torch.optim.AdamW(a.parameters(), lr=1e-2), model=a, dtype=torch.bfloat16,
                                rounding="stochastic", seed=9)
-    run(a, opt_a, 3, 0)
+    _steps_on_random_grads(a, opt_a, 3, 0)
     sd = copy.deepcopy(opt_a.state_dict())
     assert all(m.dtype == torch.float32 for m in sd["ampx_master_weights"]["masters"])
     b = _mlp(seed=1).to(torch.bfloat16)
@@ -222,8 +224,8 @@ def test_state_dict_holds_fp32_masters_and_resumes_exactly():
     opt_b.load_state_dict(sd)
     for m, n in zip(opt_a.masters, opt_b.masters):
         assert torch.equal(m, n)
-    run(a, opt_a, 3, 1)
-    run(b, opt_b, 3, 1)
+    _steps_on_random_grads(a, opt_a, 3, 1)
+    _steps_on_random_grads(b, opt_b, 3, 1)
     for m, n in zip(opt_a.masters, opt_b.masters):
         assert torch.equal(m, n)
     for p, q in zip(a.parameters(), b.parameters()):
@@ -347,18 +349,10 @@ def test_policy_master_weights_optimizer(native_bf16):
 def test_resume_restores_the_model_bit_for_bit_in_either_order(order, rounding):
     """The model's bf16 weights after loading equal the saved ones, whichever is loaded first
     (stochastic rounding rewrote them with nearest rounding: one ulp off in ~1,000 weights)."""
-    def run(model, opt, steps, seed):
-        gen = torch.Generator().manual_seed(seed)
-        for _ in range(steps):
-            for p in model.parameters():
-                p.grad = _bf16_values(p.shape, gen)
-            opt.step()
-            opt.zero_grad()
-
     a = _mlp()
     opt_a = ampx.MasterWeights(torch.optim.AdamW(a.parameters(), lr=1e-2), model=a, dtype=torch.bfloat16,
                                rounding=rounding, seed=9)
-    run(a, opt_a, 3, 0)
+    _steps_on_random_grads(a, opt_a, 3, 0)
     model_sd, opt_sd = copy.deepcopy(a.state_dict()), copy.deepcopy(opt_a.state_dict())
     b = _mlp(seed=1)
     opt_b = ampx.MasterWeights(torch.optim.AdamW(b.parameters(), lr=1e-2), model=b, dtype=torch.bfloat16,
@@ -371,7 +365,7 @@ def test_resume_restores_the_model_bit_for_bit_in_either_order(order, rounding):
         b.load_state_dict(model_sd)
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
-    run(a, opt_a, 2, 1)
-    run(b, opt_b, 2, 1)
+    _steps_on_random_grads(a, opt_a, 2, 1)
+    _steps_on_random_grads(b, opt_b, 2, 1)
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
