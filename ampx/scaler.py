@@ -12,8 +12,8 @@ from torch.amp.grad_scaler import OptState
 
 from . import _C, ops
 from .master import MasterWeights
-from .sharding import agree, check_sharded_placements, combine
 from .checkpoint import GROWTH_TIMINGS, CheckpointMixin
+from .sharding import agree, check_sharded_placements, combine
 from .telemetry import OverflowReport, TelemetryMixin, _LazySkip
 
 __all__ = ["GradScaler", "ShardedGradScaler", "OverflowReport"]
@@ -22,7 +22,6 @@ _TorchScaler = torch.amp.GradScaler
 
 _ORD = {2.0: _C.REDUCE_SUMSQ, 1.0: _C.REDUCE_SUMABS, math.inf: _C.REDUCE_MAXABS}
 _MIN_SCALE_ACTIONS = ("warn", "raise", "ignore")
-_GROWTH_TIMINGS = GROWTH_TIMINGS
 
 
 class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
@@ -100,8 +99,8 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         self._max_scale = hi
         self._on_min_scale = on_min_scale
         self._dynamic = bool(dynamic)
-        if growth_timing not in _GROWTH_TIMINGS:
-            raise ValueError(f"ampx.GradScaler: growth_timing must be one of {_GROWTH_TIMINGS}, not {growth_timing!r}")
+        if growth_timing not in GROWTH_TIMINGS:
+            raise ValueError(f"ampx.GradScaler: growth_timing must be one of {GROWTH_TIMINGS}, not {growth_timing!r}")
         self._growth_timing = growth_timing
         if growth_timing == "deepspeed":
             self._init_growth_tracker = -1  # DeepSpeed grows on the (w+1)-th clean step first
@@ -326,8 +325,10 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         on_cpu = self._scale.device.type == "cpu"
         hints = self.__dict__.setdefault("_clip_active", {})  # (absent from older pickles)
         loaded = self.__dict__.setdefault("_clip_hints_loaded", [])
-        if id(optimizer) not in hints and loaded:
-            hints[id(optimizer)] = loaded.pop(0)  # a resumed run takes the same route as the saved one
+        if plain and on_cpu and id(optimizer) not in hints and loaded:
+            # a resumed run takes the same route as the saved one; hints exist only for the
+            # optimizers that record them below, so only those take one
+            hints[id(optimizer)] = loaded.pop(0)
         # (Not when sharded: that route writes before the step's collective, which may fail.)
         if (state["stage"] is OptState.READY and plain and on_cpu and not self._sharded
                 and not hints.get(id(optimizer), True)):
@@ -346,21 +347,23 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         scaler's). Sparse gradients, other norms and error_if_nonfinite take torch's clip."""
         if isinstance(optimizer, MasterWeights):
             optimizer._ampx_cast_grads_()  # clip the float32 copies, not the bf16 gradients
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
-        params, grads, devices = self._params_with_grads(optimizer)
+            params, grads, devices = [p for g in optimizer.param_groups for p in g["params"]], None, None
+        else:
+            params, grads, devices = self._params_with_grads(optimizer)
         ord_ = float(norm_type)
-        if ord_ in _ORD and not error_if_nonfinite and devices is None and grads:
+        if grads and ord_ in _ORD and not error_if_nonfinite and devices is None:
             with torch.no_grad():
                 try:
-                    total = ops.norm(grads, ord_)
-                except _C.LayoutError:  # sparse or wrapper gradients: torch's clip below
+                    total = ops.norm(grads, ord_)  # reads only: a refusal leaves nothing to undo
+                except ValueError:  # sparse or wrapper gradients, CUDA without ampx's kernels
                     total = None
                 if total is not None:
                     ops.mul_(grads, _clip_coef(max_norm, total))
                     self._last_norm = total
                     return total
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        self._last_norm = total
+        return total
 
     def _clip_other_norm(self, optimizer, state, max_norm, norm_type, error_if_nonfinite):
         """Route 1, a norm the kernels do not compute (p other than 2, 1, inf): unscale, then

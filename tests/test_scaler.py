@@ -483,26 +483,33 @@ def test_constructor_refuses_what_load_state_dict_refuses(kw):
 
 @pytest.mark.parametrize("opt_name", ["SGD", "Adam"])
 @pytest.mark.parametrize("via", ["state_dict", "pickle"])
-def test_resume_takes_the_same_clip_route(opt_name, via):
+@pytest.mark.parametrize("fused_first", [False, True])
+def test_resume_takes_the_same_clip_route(opt_name, via, fused_first):
     """Plain optimizers clip by one of two routes, chosen by whether the last step clipped; the
     two differ in the last bit with a scale that is not a power of two, so a resumed run must
-    take the route the uninterrupted one takes."""
+    take the route the uninterrupted one takes. fused_first: a fused optimizer (which records no
+    route) is clipped first each step, and must not take the plain one's saved route."""
     norms = [0.1, 0.2, 0.1, 5.0, 7.0, 0.3]  # steps 0-2 do not clip; the save is after step 2
 
     def fresh():
         torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(n)) for n in (37, 300, 5)]
-        return params, getattr(torch.optim, opt_name)(params, lr=0.1), ampx.GradScaler("cpu", init_scale=3000.0)
+        params = [torch.nn.Parameter(torch.randn(n)) for n in (37, 300, 5, 11)]
+        opts = [getattr(torch.optim, opt_name)(params[:3], lr=0.1)]
+        if fused_first:
+            opts.insert(0, torch.optim.AdamW(params[3:], lr=0.1, fused=True))
+        return params, opts, ampx.GradScaler("cpu", init_scale=3000.0)
 
-    def run(params, opt, scaler, steps):
+    def run(params, opts, scaler, steps):
         for k in steps:
             scaler.scale(torch.ones(()))  # as the loss would be
             gen = torch.Generator().manual_seed(k)
             for p in params:
                 g = torch.randn(p.shape, generator=gen)
                 p.grad = g * (norms[k] / 3.0) * scaler.get_scale()
-            scaler.clip_grad_norm_(opt, 1.0)
-            scaler.step(opt)
+            for opt in opts:
+                scaler.clip_grad_norm_(opt, 1.0)
+            for opt in opts:
+                scaler.step(opt)
             scaler.update()
 
     pa, oa, sa = fresh()
@@ -511,12 +518,13 @@ def test_resume_takes_the_same_clip_route(opt_name, via):
     run(pb, ob, sb, range(3))
     if via == "pickle":
         blob = pickle.dumps(sb)
-    saved = ([p.detach().clone() for p in pb], ob.state_dict(), sb.state_dict())
+    saved = ([p.detach().clone() for p in pb], [o.state_dict() for o in ob], sb.state_dict())
     pc, oc, sc = fresh()
     with torch.no_grad():
         for p, q in zip(pc, saved[0]):
             p.copy_(q)
-    oc.load_state_dict(saved[1])
+    for o, sd in zip(oc, saved[1]):
+        o.load_state_dict(sd)
     if via == "pickle":
         sc = pickle.loads(blob)
     else:
@@ -596,3 +604,23 @@ def test_a_found_inf_that_requires_grad_is_refused(call):
 def test_a_non_list_argument_names_the_op():
     with pytest.raises(TypeError, match=r"ampx\.ops\.cast_: src must be a Tensor or a sequence of Tensors, not NoneType"):
         ampx.ops.cast_(None, [torch.zeros(2)])
+
+
+def test_a_disabled_scaler_falls_back_to_torchs_clip_where_ampx_cannot_read(monkeypatch):
+    """A disabled scaler clips with ampx's kernels; where they refuse the gradients (a CUDA
+    machine without ampx's kernels, wrapper tensors) torch's clip does it instead, unchanged."""
+    from ampx import ops
+
+    def refuse(*a, **k):
+        raise ValueError("ampx.ops.norm: tensors[0] is on cuda:0, but ampx was built without its CUDA kernels")
+
+    model, ref = _model(0), _model(0)
+    x = torch.randn(4, 16)
+    for m in (model, ref):
+        m(x).sum().backward()
+    monkeypatch.setattr(ops, "norm", refuse)
+    scaler = ampx.GradScaler("cpu", enabled=False)
+    got = scaler.clip_grad_norm_(torch.optim.SGD(model.parameters(), lr=0.1), 0.01)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    assert torch.equal(got, want) and scaler.stats()["last_norm"] == want.item()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
