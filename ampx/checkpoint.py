@@ -117,12 +117,12 @@ class CheckpointMixin:
         return new
 
     def __getstate__(self):
+        if self._enabled:
+            self._drain(wait=True)  # first, so the counts it brings in are in the copy below
         state = _TorchScaler.__getstate__(self)
         if self._enabled:
             state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
             state["_hysteresis_tracker"] = None
-        if self._enabled:
-            self._drain(wait=True)
         state["_flag_sources"] = {}
         # optimizer ids mean nothing in another process: the clip hints travel as in state_dict
         state["_clip_hints_loaded"] = list(self.__dict__.get("_clip_active", {}).values())
@@ -132,7 +132,6 @@ class CheckpointMixin:
         # A process group cannot be pickled; a sharded scaler comes back on the default group.
         state["process_group"] = None
         return state
-
 
     def __setstate__(self, state):
         _TorchScaler.__setstate__(self, state)

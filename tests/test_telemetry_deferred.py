@@ -80,3 +80,22 @@ def test_hysteresis_floor_warning_and_raise(monkeypatch, caplog):
     r.step(opt)
     with pytest.raises(RuntimeError, match="on_min_scale='raise'"):
         r.update()
+
+
+def test_a_pickle_keeps_telemetry_still_in_flight(monkeypatch):
+    """Device-side telemetry not yet read when the scaler is pickled is read first, not lost."""
+    import pickle
+
+    monkeypatch.setattr(ampx.GradScaler, "_force_lazy_telemetry", True)
+    monkeypatch.setattr(telemetry_mod._Pending, "ready", lambda self: False)  # nothing lands by itself
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    s = ampx.GradScaler("cpu", init_scale=8.0)
+    for bad in (False, True, False):
+        s.scale(torch.ones(()))
+        p.grad = torch.tensor([1.0, float("inf") if bad else 2.0, 3.0])
+        s.step(opt)
+        s.update()
+    assert len(s._pending) == 3
+    t = pickle.loads(pickle.dumps(s))
+    assert t.stats()["steps"] == 3 and t.stats()["skipped_steps"] == 1
