@@ -50,9 +50,14 @@ def agree(found_inf, total, reduce, group):
     except Exception as e:  # gloo's "Connection closed by peer" alone says nothing of ampx
         what = "the overflow flag" + (" and the local norm" if reduce else "") if found_inf is not None else "the local norm"
         name = "the default group" if group is None else f"group {group!r}"
-        raise type(e)(f"ampx.GradScaler(process_group=...): the step's all-reduce of {what} over {name} "
-                      f"({dist.get_backend(group)}, {dist.get_world_size(group)} ranks) failed; no gradient "
-                      f"was written by this pass. The collective said: {e}") from e
+        msg = (f"ampx.GradScaler(process_group=...): the step's all-reduce of {what} over {name} "
+               f"({dist.get_backend(group)}, {dist.get_world_size(group)} ranks) failed; no gradient "
+               f"was written by this pass. The collective said: {e}")
+        try:
+            again = type(e)(msg)  # the same type, so callers' except clauses still match
+        except Exception:  # a type that takes other arguments
+            again = RuntimeError(msg)
+        raise again from e
     i = 0
     if found_inf is not None:
         found_inf = buf[0].clamp(max=1.0).to(like.device, torch.float32).reshape(found_inf.shape)
