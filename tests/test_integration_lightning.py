@@ -338,8 +338,8 @@ def test_a_subclass_loads_what_ampx_precision_saved():
 class Manual(Net):
     """Manual optimization with the LightningOptimizer the user holds, clipped by the user."""
 
-    def __init__(self):
-        super().__init__("fused")
+    def __init__(self, kind):
+        super().__init__(kind)
         self.automatic_optimization = False
         self.norms = []
 
@@ -356,14 +356,20 @@ class Manual(Net):
         opt.step()
 
 
-def test_lightning_optimizer_is_unwrapped_and_never_unscaled_twice():
+class Hook(L.Callback):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        pass
+
+
+@pytest.mark.parametrize("kind, callbacks", [("fused", []), ("foreach", [Hook()])])
+def test_lightning_optimizer_is_unwrapped_and_never_unscaled_twice(kind, callbacks):
     data = batches(4)
-    model = Manual()
+    model = Manual(kind)
     ref = copy.deepcopy(model.net)
-    fit(model, AmpxPrecision("16-mixed"), data)
+    fit(model, AmpxPrecision("16-mixed"), data, callbacks=callbacks)
     for true_norm, ampx_norm in model.norms:
         assert ampx_norm == pytest.approx(true_norm, rel=1e-5)
-    direct_loop(ref, data, "fused", "16-mixed", clip=0.01, schedule=False)  # (manual: no scheduler steps)
+    direct_loop(ref, data, kind, "16-mixed", clip=0.01, schedule=False)  # (manual: no scheduler steps)
     assert_params_close(model.net, ref)
 
 

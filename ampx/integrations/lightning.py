@@ -80,7 +80,9 @@ class AmpxPrecision(MixedPrecision):
         super().__init__(precision, device, scaler=None)
         self.scaler = scaler if scaler is not None else GradScaler(device, **self._scaler_kwargs)
         self._last_skipped = {}  # id(optimizer) -> did its last step skip (a bool or a lazy flag)
-        self._unscaled = set()  # id(optimizer) unscaled in memory during the current step
+        # id(optimizer) whose gradients the scaler has already unscaled or clipped this step
+        # (by the plugin, or by a manual-optimization clip before opt.step())
+        self._unscaled = set()
         self._watched = None  # id of the LightningModule whose parameter names the scaler has
         self._held = []  # schedulers this plugin holds on skipped steps
 
@@ -126,8 +128,8 @@ class AmpxPrecision(MixedPrecision):
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
             return closure_result  # training_step returned None: no backward, nothing to step
-        self._unscaled.discard(id(optimizer))
-        if not _handles_unscaling(optimizer) and _hooks_read_gradients(model):
+        if (id(optimizer) not in self._unscaled and not _handles_unscaling(optimizer)
+                and _hooks_read_gradients(model)):
             # Lightning's contract: hooks that may read gradients see them unscaled.
             self.scaler.unscale_(optimizer)
             self._unscaled.add(id(optimizer))
@@ -159,6 +161,7 @@ class AmpxPrecision(MixedPrecision):
         optimizer = _unwrap(optimizer)
         if gradient_clip_algorithm == GradClipAlgorithmType.NORM:
             self.scaler.clip_grad_norm_(optimizer, clip_val)
+            self._unscaled.add(id(optimizer))
             return
         if self.scaler.is_enabled() and id(optimizer) not in self._unscaled:
             self.scaler.unscale_(optimizer)
