@@ -173,7 +173,8 @@ def clip_calls(monkeypatch):
 def test_one_injected_overflow_skips_that_step_only(precision, kind, caplog):
     data, bad = batches(24), 7
     model = Net(kind, inject_at={bad}, inject_name="net.2.weight")
-    plugin = AmpxPrecision(precision, hysteresis=2) if precision == "16-mixed" else AmpxPrecision(precision)
+    plugin = (AmpxPrecision(precision, hysteresis=2, log_stats=True) if precision == "16-mixed"
+              else AmpxPrecision(precision, log_stats=True))
     with caplog.at_level(logging.INFO, logger="ampx"):
         t = fit(model, plugin, data)
     assert model.out_dtypes == {DTYPES[precision]}  # real autocast in that dtype, on the CPU too
@@ -184,6 +185,8 @@ def test_one_injected_overflow_skips_that_step_only(precision, kind, caplog):
     assert [g - 1 for g, s in sorted(model.skipped.items()) if s] == [bad]
     stats = plugin.scaler.stats()
     assert stats["steps"] == 24 and stats["skipped_steps"] == 1
+    assert float(t.callback_metrics["ampx/skipped_steps"]) == 1.0  # logged through Lightning
+    assert float(t.callback_metrics["ampx/loss_scale"]) == plugin.scaler.get_scale()
     report = plugin.scaler.overflow_report()
     assert report.inf == ["net.2.weight"] and report.nan == []
     # the LR schedule held on the skipped step: 23 scheduler steps, the LR unchanged across it

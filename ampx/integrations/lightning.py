@@ -55,6 +55,8 @@ class AmpxPrecision(MixedPrecision):
         device: the autocast device ("cpu", "cuda"); None takes the model's device when
             Lightning connects the plugin.
         scaler: an ``ampx.GradScaler`` to use as it is (then no ``scaler_kwargs``).
+        log_stats: log ``ampx/loss_scale`` and ``ampx/skipped_steps`` through the LightningModule
+            after every optimizer step (reads the scale on the host: a sync on CUDA).
         **scaler_kwargs: ``ampx.GradScaler`` keywords (``hysteresis=2``, ``init_scale``,
             ``growth_interval``, ``min_scale``, ``on_overflow`` ...).
 
@@ -63,7 +65,7 @@ class AmpxPrecision(MixedPrecision):
         TypeError: ``scaler`` is not an ``ampx.GradScaler``, or comes with ``scaler_kwargs``.
     """
 
-    def __init__(self, precision="16-mixed", device=None, scaler=None, **scaler_kwargs):
+    def __init__(self, precision="16-mixed", device=None, scaler=None, *, log_stats=False, **scaler_kwargs):
         if precision not in PRECISIONS:
             raise ValueError(f"AmpxPrecision: precision must be one of {PRECISIONS}, not {precision!r}")
         if scaler is not None and not isinstance(scaler, GradScaler):
@@ -85,6 +87,7 @@ class AmpxPrecision(MixedPrecision):
         self._unscaled = set()
         self._watched = None  # id of the LightningModule whose parameter names the scaler has
         self._held = []  # schedulers this plugin holds on skipped steps
+        self.log_stats = log_stats
 
     # ---- set-up (Lightning calls connect once the model is on its device) --------------------
 
@@ -140,11 +143,18 @@ class AmpxPrecision(MixedPrecision):
         finally:
             self._unscaled.discard(id(optimizer))
         self._last_skipped[id(optimizer)] = self.scaler.last_step_skipped
+        if self.log_stats:
+            self._log(model)
         return out
 
     def step_was_skipped(self, optimizer):
         """Whether ``optimizer``'s last step through this plugin was skipped (inf/NaN gradients)."""
         return bool(self._last_skipped.get(id(_unwrap(optimizer)), False))
+
+    def _log(self, model):
+        stats = self.scaler.stats()
+        model.log("ampx/loss_scale", float(self.scaler.get_scale()), on_step=True, on_epoch=False)
+        model.log("ampx/skipped_steps", float(stats["skipped_steps"]), on_step=True, on_epoch=False)
 
     def _watch(self, model):
         if self._watched != id(model):
