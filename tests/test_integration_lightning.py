@@ -230,6 +230,18 @@ def test_clip_goes_through_ampx_and_matches_the_direct_loop(kind, clip_calls):
     assert model.trainer.lr_scheduler_configs[0].scheduler.last_epoch == sched.last_epoch == 15
 
 
+def test_bf16_without_a_scaler_still_clips_through_ampx(clip_calls):
+    data = batches(6)
+    model = Net("fused")
+    ref = copy.deepcopy(model.net)
+    plugin = AmpxPrecision("bf16-mixed", enabled=False)
+    fit(model, plugin, data, gradient_clip_val=0.05)
+    assert not plugin.scaler.is_enabled() and len(clip_calls) == 6
+    assert plugin.scaler.stats()["last_norm"] is not None
+    direct_loop(ref, data, "fused", "bf16-mixed", clip=0.05, enabled=False)
+    assert_params_close(model.net, ref)
+
+
 def test_stock_plugin_refuses_what_ampx_clips():
     with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
         fit(Net("fused"), MixedPrecision("16-mixed", "cpu"), batches(2), gradient_clip_val=1.0)

@@ -95,6 +95,7 @@ class AmpxPrecision(MixedPrecision):
         """Settles the device from the model, and makes the step schedulers hold on skipped steps."""
         if not self._device_given:
             self._settle_device(model)
+        self._last_skipped.clear()  # (ids of another fit's optimizers may be reused)
         if self.precision == "16-mixed" and self.device == "cpu":
             log.info("ampx: 16-mixed on the CPU runs float16 autocast with ampx's loss scaler "
                      "(Lightning's own MixedPrecision would switch to bf16)")
@@ -130,7 +131,10 @@ class AmpxPrecision(MixedPrecision):
         self._watch(model)
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
-            return closure_result  # training_step returned None: no backward, nothing to step
+            # training_step returned None: no backward, no step; not an overflow (Lightning's
+            # schedule goes on, as with the stock plugin)
+            self._last_skipped[id(optimizer)] = False
+            return closure_result
         if (id(optimizer) not in self._unscaled and not _handles_unscaling(optimizer)
                 and _hooks_read_gradients(model)):
             # Lightning's contract: hooks that may read gradients see them unscaled.
@@ -171,7 +175,8 @@ class AmpxPrecision(MixedPrecision):
         optimizer = _unwrap(optimizer)
         if gradient_clip_algorithm == GradClipAlgorithmType.NORM:
             self.scaler.clip_grad_norm_(optimizer, clip_val)
-            self._unscaled.add(id(optimizer))
+            if self.scaler.is_enabled():
+                self._unscaled.add(id(optimizer))
             return
         if self.scaler.is_enabled() and id(optimizer) not in self._unscaled:
             self.scaler.unscale_(optimizer)
