@@ -210,6 +210,41 @@ def test_stock_plugin_advances_the_schedule_on_a_skipped_step():
     assert model.lrs[4] == pytest.approx(model.lrs[3] * 0.9)
 
 
+def test_a_held_scheduler_keeps_its_state_and_pickles_as_its_own_class():
+    import pickle
+
+    from ampx.integrations.lightning import _hold_scheduler, _release_scheduler
+
+    opt = make_opt(torch.nn.Linear(2, 2).parameters(), "foreach")
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    plain_state = sched.state_dict()
+    plugin = AmpxPrecision("16-mixed", device="cpu")
+    assert _hold_scheduler(sched, plugin)
+    assert isinstance(sched, torch.optim.lr_scheduler.StepLR) and sched.state_dict() == plain_state
+    copy_ = pickle.loads(pickle.dumps(sched))
+    assert type(copy_) is torch.optim.lr_scheduler.StepLR and type(sched) is not type(copy_)
+    plugin._last_skipped[id(opt)] = True
+    sched.step()
+    assert sched.last_epoch == 0  # held
+    plugin._last_skipped[id(opt)] = False
+    sched.step()
+    assert sched.last_epoch == 1
+    _release_scheduler(sched)
+    assert type(sched) is torch.optim.lr_scheduler.StepLR
+
+
+def test_without_lightning_the_import_names_the_extra():
+    code = ("import sys\n"
+            "for m in ('lightning', 'lightning.pytorch'): sys.modules[m] = None\n"
+            "try:\n"
+            "    import ampx.integrations.lightning\n"
+            "except ImportError as e:\n"
+            "    assert 'pip install ampx[lightning]' in str(e), e\n"
+            "else:\n"
+            "    raise SystemExit('imported without lightning')\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 # ---- clipping: ampx's fused clip, the same parameters as the direct loop --------------------------
 
 @pytest.mark.parametrize("kind", ["plain", "foreach", "fused"])

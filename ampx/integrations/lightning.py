@@ -242,6 +242,21 @@ class _HoldOnSkip:
             return None
         return super().step(*args, **kwargs)
 
+    def __reduce_ex__(self, protocol):
+        # Pickled (and copied) as the scheduler's own class: the hold belongs to the plugin.
+        getstate = getattr(self, "__getstate__", None)
+        state = getstate() if getstate is not None else self.__dict__
+        return _rebuild_unheld, (type(self)._ampx_base, state)
+
+
+def _rebuild_unheld(cls, state):
+    obj = cls.__new__(cls)
+    if hasattr(obj, "__setstate__"):
+        obj.__setstate__(state)
+    else:
+        obj.__dict__.update(state)
+    return obj
+
 
 def _hold_scheduler(scheduler, plugin):
     """Makes ``scheduler`` hold when its optimizer's step was skipped; False if it cannot be."""
