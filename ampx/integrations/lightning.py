@@ -1,0 +1,286 @@
+"""ampx inside PyTorch Lightning: a precision plugin, added with one line.
+
+    trainer = lightning.Trainer(plugins=[AmpxPrecision("16-mixed", hysteresis=2)], gradient_clip_val=1.0)
+
+``AmpxPrecision`` is Lightning's ``MixedPrecision`` (autocast, loss scaling, checkpoints) with an
+``ampx.GradScaler`` behind it, and with what the stock plugin loses:
+
+- ``gradient_clip_val`` goes through ``scaler.clip_grad_norm_`` (one pass unscales, checks and
+  measures; folded into the step of fused optimizers, which the stock plugin refuses to clip);
+- a skipped step holds the LR schedule (Lightning steps its schedulers regardless);
+- ampx's settings travel in checkpoints; a checkpoint of the stock plugin loads too;
+- ``16-mixed`` on the CPU is real float16 autocast with loss scaling (the stock path switches to
+  bf16); ``bf16-mixed`` gets a static ampx scaler at 1.0, so overflowing steps are still skipped
+  and reported (``enabled=False`` turns that off).
+
+Which Lightning entry points are overridden, and why, is in docs/DESIGN.md ("Lightning").
+Lightning (the ``lightning`` package, 2.4 or later) is imported here, never by ``import ampx``.
+"""
+import logging
+import weakref
+
+import torch
+
+from . import require
+
+require("lightning.pytorch", "lightning")
+
+from lightning.pytorch import Callback  # noqa: E402
+from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision  # noqa: E402
+from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
+from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
+from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
+
+from ..scaler import GradScaler  # noqa: E402
+
+__all__ = ["AmpxPrecision"]
+
+log = logging.getLogger("ampx.integrations.lightning")
+
+PRECISIONS = ("16-mixed", "bf16-mixed")
+# Keys under which Lightning stored a precision plugin's state (it uses the class's __qualname__):
+# ours, the stock plugin's, and its name before Lightning 2.0.
+CHECKPOINT_KEYS = ("AmpxPrecision", "MixedPrecision", "MixedPrecisionPlugin")
+# bf16 needs no loss scaling: a static scale of 1 only checks for inf/NaN and skips such steps.
+BF16_DEFAULTS = {"init_scale": 1.0, "dynamic": False}
+
+
+class AmpxPrecision(MixedPrecision):
+    """Lightning's mixed-precision plugin on an ``ampx.GradScaler``.
+
+    Args:
+        precision: "16-mixed" (float16 autocast, dynamic loss scaling) or "bf16-mixed" (bfloat16
+            autocast, a static ampx scaler at 1.0 unless ``scaler_kwargs`` say otherwise).
+        device: the autocast device ("cpu", "cuda"); None takes the model's device when
+            Lightning connects the plugin.
+        scaler: an ``ampx.GradScaler`` to use as it is (then no ``scaler_kwargs``).
+        log_stats: log ``ampx/loss_scale`` and ``ampx/skipped_steps`` through the LightningModule
+            after every optimizer step (reads the scale on the host: a sync on CUDA).
+        **scaler_kwargs: ``ampx.GradScaler`` keywords (``hysteresis=2``, ``init_scale``,
+            ``growth_interval``, ``min_scale``, ``on_overflow`` ...).
+
+    Raises:
+        ValueError: an unknown ``precision``.
+        TypeError: ``scaler`` is not an ``ampx.GradScaler``, or comes with ``scaler_kwargs``.
+    """
+
+    def __init__(self, precision="16-mixed", device=None, scaler=None, *, log_stats=False, **scaler_kwargs):
+        if precision not in PRECISIONS:
+            raise ValueError(f"AmpxPrecision: precision must be one of {PRECISIONS}, not {precision!r}")
+        if scaler is not None and not isinstance(scaler, GradScaler):
+            raise TypeError(f"AmpxPrecision: scaler must be an ampx.GradScaler, not {type(scaler).__name__} "
+                            "(or leave it out and pass ampx.GradScaler's keywords)")
+        if scaler is not None and scaler_kwargs:
+            raise TypeError(f"AmpxPrecision: pass either scaler or scaler keywords, not both "
+                            f"(got {sorted(scaler_kwargs)})")
+        self._device_given = device is not None
+        self._scaler_given = scaler is not None
+        self._scaler_kwargs = dict(BF16_DEFAULTS if precision == "bf16-mixed" else {}, **scaler_kwargs)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        # The stock constructor refuses a scaler with bf16; ours is set right after it.
+        super().__init__(precision, device, scaler=None)
+        self.scaler = scaler if scaler is not None else GradScaler(device, **self._scaler_kwargs)
+        self._last_skipped = {}  # id(optimizer) -> did its last step skip (a bool or a lazy flag)
+        # id(optimizer) whose gradients the scaler has already unscaled or clipped this step
+        # (by the plugin, or by a manual-optimization clip before opt.step())
+        self._unscaled = set()
+        self._watched = None  # id of the LightningModule whose parameter names the scaler has
+        self._held = []  # schedulers this plugin holds on skipped steps
+        self.log_stats = log_stats
+
+    # ---- set-up (Lightning calls connect once the model is on its device) --------------------
+
+    def connect(self, model, optimizers, lr_scheduler_configs):
+        """Settles the device from the model, and makes the step schedulers hold on skipped steps."""
+        if not self._device_given:
+            self._settle_device(model)
+        self._last_skipped.clear()  # (ids of another fit's optimizers may be reused)
+        if self.precision == "16-mixed" and self.device == "cpu":
+            log.info("ampx: 16-mixed on the CPU runs float16 autocast with ampx's loss scaler "
+                     "(Lightning's own MixedPrecision would switch to bf16)")
+        for config in lr_scheduler_configs:
+            if config.interval == "step" and _hold_scheduler(config.scheduler, self):
+                self._held.append(config.scheduler)
+        return super().connect(model, optimizers, lr_scheduler_configs)
+
+    def _settle_device(self, model):
+        param = next(iter(model.parameters()), None)
+        device = self.device if param is None else param.device.type
+        if device != self.device and not self._scaler_given:
+            self.scaler = GradScaler(device, **self._scaler_kwargs)  # nothing stepped yet
+        self.device = device
+
+    def teardown(self):
+        """Gives the schedulers back their own class."""
+        while self._held:
+            _release_scheduler(self._held.pop())
+        super().teardown()
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def optimizer_step(self, optimizer, model, closure, **kwargs):
+        """Runs the closure (forward, backward), Lightning's hooks and clipping, then the scaler's
+        step and update; records whether the step was skipped."""
+        optimizer = _unwrap(optimizer)
+        if not self.scaler.is_enabled():
+            self._last_skipped[id(optimizer)] = False
+            return Precision.optimizer_step(self, optimizer, model=model, closure=closure, **kwargs)
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise MisconfigurationException("AMP and the LBFGS optimizer are not compatible.")
+        self._watch(model)
+        closure_result = closure()
+        if closure_result is None and model.automatic_optimization:
+            # training_step returned None: no backward, no step; not an overflow (Lightning's
+            # schedule goes on, as with the stock plugin)
+            self._last_skipped[id(optimizer)] = False
+            return closure_result
+        if (id(optimizer) not in self._unscaled and not _handles_unscaling(optimizer)
+                and _hooks_read_gradients(model)):
+            # Lightning's contract: hooks that may read gradients see them unscaled.
+            self.scaler.unscale_(optimizer)
+            self._unscaled.add(id(optimizer))
+        self._after_closure(model, optimizer)  # on_before_optimizer_step, then clipping
+        try:
+            out = self.scaler.step(optimizer, **kwargs)
+            self.scaler.update()
+        finally:
+            self._unscaled.discard(id(optimizer))
+        self._last_skipped[id(optimizer)] = self.scaler.last_step_skipped
+        if self.log_stats:
+            self._log(model)
+        return out
+
+    def step_was_skipped(self, optimizer):
+        """Whether ``optimizer``'s last step through this plugin was skipped (inf/NaN gradients)."""
+        return bool(self._last_skipped.get(id(_unwrap(optimizer)), False))
+
+    def _log(self, model):
+        stats = self.scaler.stats()
+        model.log("ampx/loss_scale", float(self.scaler.get_scale()), on_step=True, on_epoch=False)
+        model.log("ampx/skipped_steps", float(stats["skipped_steps"]), on_step=True, on_epoch=False)
+
+    def _watch(self, model):
+        if self._watched != id(model):
+            self.scaler.watch(model.named_parameters())  # overflow reports name the parameters
+            self._watched = id(model)
+
+    # ---- clipping ----------------------------------------------------------------------------
+
+    def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=GradClipAlgorithmType.NORM):
+        """Clips through ampx: by norm with ``scaler.clip_grad_norm_`` (any optimizer, fused ones
+        included, the clip folded into their step); by value after an in-memory unscale."""
+        if not clip_val or clip_val <= 0:
+            return
+        optimizer = _unwrap(optimizer)
+        if gradient_clip_algorithm == GradClipAlgorithmType.NORM:
+            self.scaler.clip_grad_norm_(optimizer, clip_val)
+            if self.scaler.is_enabled():
+                self._unscaled.add(id(optimizer))
+            return
+        if self.scaler.is_enabled() and id(optimizer) not in self._unscaled:
+            self.scaler.unscale_(optimizer)
+            self._unscaled.add(id(optimizer))
+        self.clip_grad_by_value(optimizer, clip_val)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def on_load_checkpoint(self, checkpoint):
+        """Loads the scaler state that another plugin class saved (Lightning itself loads only
+        the key of this class's name): the stock MixedPrecision's, or AmpxPrecision's into a
+        subclass of it."""
+        own = type(self).__qualname__
+        if own in checkpoint:
+            return
+        for key in CHECKPOINT_KEYS:
+            if key != own and key in checkpoint:
+                self.load_state_dict(checkpoint[key])
+                log.info("ampx: loaded the loss-scaler state saved under %r", key)
+                return
+
+
+def _unwrap(optimizer):
+    """The torch optimizer inside Lightning's LightningOptimizer (the scaler keys its per-step
+    state by the optimizer object: two objects for one optimizer would unscale twice)."""
+    while isinstance(optimizer, LightningOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _handles_unscaling(optimizer):
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def _hooks_read_gradients(model):
+    """Whether a hook between backward and the step may read gradients: the module's
+    on_before_optimizer_step or configure_gradient_clipping, or a callback's
+    on_before_optimizer_step. Without one, unscaling waits for the clip or the step (one pass)."""
+    if is_overridden("on_before_optimizer_step", model) or is_overridden("configure_gradient_clipping", model):
+        return True
+    trainer = getattr(model, "_trainer", None)
+    callbacks = trainer.callbacks if trainer is not None else []
+    return any(is_overridden("on_before_optimizer_step", cb, Callback) for cb in callbacks)
+
+
+# ---- holding the LR schedule on skipped steps ---------------------------------------------------
+# Lightning steps a "step"-interval scheduler after every optimizer step, skipped or not, and has
+# no hook a precision plugin could use to stop it (its lr_scheduler_step hook belongs to the
+# user's LightningModule). So the plugin gives each such scheduler a subclass of its own class
+# whose step() returns at once when its optimizer's last step was skipped, the way Lightning
+# itself re-classes optimizers (LightningOptimizer); teardown gives the class back. Nothing is
+# added to the scheduler's __dict__, so its state_dict is unchanged.
+
+_HOLDERS = weakref.WeakKeyDictionary()  # scheduler -> the AmpxPrecision holding it
+_HOLDING_CLASSES = {}  # scheduler class -> its holding subclass
+
+
+class _HoldOnSkip:
+    def step(self, *args, **kwargs):
+        plugin = _HOLDERS.get(self)
+        if plugin is not None and plugin.step_was_skipped(self.optimizer):
+            log.debug("ampx: the optimizer step was skipped; %s holds", type(self).__name__)
+            return None
+        return super().step(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol):
+        # Pickled (and copied) as the scheduler's own class: the hold belongs to the plugin.
+        getstate = getattr(self, "__getstate__", None)
+        state = getstate() if getstate is not None else self.__dict__
+        return _rebuild_unheld, (type(self)._ampx_base, state)
+
+
+def _rebuild_unheld(cls, state):
+    obj = cls.__new__(cls)
+    if hasattr(obj, "__setstate__"):
+        obj.__setstate__(state)
+    else:
+        obj.__dict__.update(state)
+    return obj
+
+
+def _hold_scheduler(scheduler, plugin):
+    """Makes ``scheduler`` hold when its optimizer's step was skipped; False if it cannot be."""
+    cls = type(scheduler)
+    if isinstance(scheduler, _HoldOnSkip):
+        _HOLDERS[scheduler] = plugin
+        return True
+    if not hasattr(scheduler, "optimizer"):
+        log.warning("ampx: %s has no .optimizer; its schedule is not held on skipped steps", cls.__name__)
+        return False
+    sub = _HOLDING_CLASSES.get(cls)
+    if sub is None:
+        sub = type(cls.__name__, (_HoldOnSkip, cls), {"__module__": cls.__module__, "_ampx_base": cls})
+        _HOLDING_CLASSES[cls] = sub
+    try:
+        scheduler.__class__ = sub
+    except TypeError as exc:
+        log.warning("ampx: %s cannot be held on skipped steps (%s)", cls.__name__, exc)
+        return False
+    _HOLDERS[scheduler] = plugin
+    return True
+
+
+def _release_scheduler(scheduler):
+    _HOLDERS.pop(scheduler, None)
+    if isinstance(scheduler, _HoldOnSkip):
+        scheduler.__class__ = type(scheduler)._ampx_base
