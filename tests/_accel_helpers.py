@@ -71,3 +71,29 @@ def reference_scaler(precision, **kwargs):
     if precision == "bf16":
         kwargs = {"init_scale": 1.0, "dynamic": False, **kwargs}
     return ampx.GradScaler("cpu", **kwargs)
+
+
+def direct_step(scaler, opt, sched, clip):
+    """One optimizer step of a loop written on ampx directly: clip, step, update, and the LR
+    schedule held on a skipped step."""
+    if clip is not None:
+        scaler.clip_grad_norm_(opt, clip)
+    scaler.step(opt)
+    scaler.update()
+    if not scaler.last_step_skipped:
+        sched.step()
+    opt.zero_grad()
+
+
+def assert_same_params(a, b):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=0, msg=name)
+
+
+def assert_skipped_only(rows, step, keys=("skipped",)):
+    """Each of ``keys`` says: skipped on ``step`` and on no other; the LR held there and only there."""
+    for key in keys:
+        assert [r[key] for r in rows] == [i == step for i in range(len(rows))], key
+    lrs = [r["lr"] for r in rows]
+    assert lrs[step] == lrs[step - 1]
+    assert all(lrs[i] < lrs[i - 1] for i in range(1, len(lrs)) if i != step)

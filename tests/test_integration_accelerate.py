@@ -29,8 +29,9 @@ import ampx  # noqa: E402
 from ampx.integrations.accelerate import AmpxAcceleratedOptimizer, is_patched, patch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _accel_helpers import (DTYPES, InfAt, adamw, count_clips, fresh_accelerate,  # noqa: E402,F401
-                            reference_scaler, reset_accelerate)
+from _accel_helpers import (DTYPES, InfAt, adamw, assert_same_params, assert_skipped_only,  # noqa: E402
+                            count_clips, direct_step, fresh_accelerate, reference_scaler,  # noqa: F401
+                            reset_accelerate)
 
 STEPS = 8
 INF_STEP = 3
@@ -96,27 +97,8 @@ def _train_direct(precision, kind, *, accum=1, steps=STEPS, inf_steps=(INF_STEP,
             with torch.autocast("cpu", dtype=DTYPES[precision]):
                 out = model(x)
             scaler.scale(_loss(out, y) / accum).backward()
-        if clip is not None:
-            scaler.clip_grad_norm_(opt, clip)
-        scaler.step(opt)
-        scaler.update()
-        if not scaler.last_step_skipped:
-            sched.step()
-        opt.zero_grad()
+        direct_step(scaler, opt, sched, clip)
     return model, scaler
-
-
-def _assert_same_params(a, b):
-    for (name, p), q in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=0, msg=name)
-
-
-def _assert_skipped_only(records, step):
-    assert [r["skipped"] for r in records] == [i == step for i in range(len(records))]
-    assert [r["acc_skipped"] for r in records] == [i == step for i in range(len(records))]
-    lrs = [r["lr"] for r in records]
-    assert lrs[step] == lrs[step - 1]  # held on the skipped step ...
-    assert all(lrs[i] < lrs[i - 1] for i in range(1, len(lrs)) if i != step)  # ... and only there
 
 
 @pytest.mark.parametrize("kind", ["plain", "foreach", "fused"])
@@ -126,23 +108,23 @@ def test_skip_clip_and_parity(precision, kind, fresh_accelerate):
         model, acc, records = _train_accelerate(precision, kind)
     assert len(clips) == STEPS  # every accelerator.clip_grad_norm_ was ampx's fused clip
     assert isinstance(acc.scaler, ampx.GradScaler) and is_patched(acc)
-    _assert_skipped_only(records, INF_STEP)
+    assert_skipped_only(records, INF_STEP, ("skipped", "acc_skipped"))
     stats = acc.scaler.stats()
     assert stats["skipped_steps"] == 1 and stats["last_norm"] is not None
     report = acc.scaler.overflow_report()
     assert report.inf == [NAME] and report.step == INF_STEP + 1
     ref, ref_scaler = _train_direct(precision, kind)
     assert acc.scaler.get_scale() == ref_scaler.get_scale()
-    _assert_same_params(model, ref)
+    assert_same_params(model, ref)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_gradient_accumulation(precision, fresh_accelerate):
     model, acc, records = _train_accelerate(precision, "fused", accum=2, steps=5, inf_steps=(2,))
-    _assert_skipped_only(records, 2)
+    assert_skipped_only(records, 2, ("skipped", "acc_skipped"))
     assert acc.scaler.stats()["steps"] == 5  # one scaler step per optimizer step, not per micro-batch
     ref, _ = _train_direct(precision, "fused", accum=2, steps=5, inf_steps=(2,))
-    _assert_same_params(model, ref)
+    assert_same_params(model, ref)
 
 
 def test_fp16_on_the_cpu_runs_fp16_autocast(fresh_accelerate, caplog):

@@ -27,8 +27,9 @@ from ampx.integrations.accelerate import is_patched  # noqa: E402
 from ampx.integrations.transformers import Trainer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _accel_helpers import (DTYPES, InfAt, adamw, count_clips, fresh_accelerate,  # noqa: E402,F401
-                            reference_scaler, reset_accelerate)
+from _accel_helpers import (DTYPES, InfAt, adamw, assert_same_params, assert_skipped_only,  # noqa: E402
+                            count_clips, direct_step, fresh_accelerate, reference_scaler,  # noqa: F401
+                            reset_accelerate)
 
 STEPS = 6
 INF_STEP = 2
@@ -95,25 +96,8 @@ def _direct(precision, kind, *, accum=1, steps=STEPS, inf_steps=(INF_STEP,)):
             with torch.autocast("cpu", dtype=DTYPES[precision]):
                 loss = model(**batch).loss
             scaler.scale(loss.float() / accum).backward()
-        scaler.clip_grad_norm_(opt, 0.5)
-        scaler.step(opt)
-        scaler.update()
-        if not scaler.last_step_skipped:
-            sched.step()
-        opt.zero_grad()
+        direct_step(scaler, opt, sched, 0.5)
     return model, scaler
-
-
-def _assert_skipped_only(rows, step):
-    assert [r["skipped"] for r in rows] == [i == step for i in range(len(rows))]
-    lrs = [r["lr"] for r in rows]
-    assert lrs[step] == lrs[step - 1]
-    assert all(lrs[i] < lrs[i - 1] for i in range(1, len(lrs)) if i != step)
-
-
-def _assert_same_params(a, b):
-    for (name, p), q in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("kind", ["plain", "foreach", "fused"])
@@ -123,7 +107,7 @@ def test_skip_clip_logs_and_parity(precision, kind, tmp_path, fresh_accelerate):
     with count_clips() as clips:
         trainer.train()
     assert len(clips) == STEPS
-    _assert_skipped_only(record.rows, INF_STEP)
+    assert_skipped_only(record.rows, INF_STEP)
     scaler = trainer.accelerator.scaler
     assert scaler.overflow_report().inf == [NAME]
     logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -131,17 +115,17 @@ def test_skip_clip_logs_and_parity(precision, kind, tmp_path, fresh_accelerate):
     assert logs[-1]["loss_scale"] == scaler.get_scale()
     ref, ref_scaler = _direct(precision, kind)
     assert scaler.get_scale() == ref_scaler.get_scale()
-    _assert_same_params(trainer.model, ref)
+    assert_same_params(trainer.model, ref)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_gradient_accumulation(precision, tmp_path, fresh_accelerate):
     trainer, record = _trainer(tmp_path, precision, "fused", accum=2, steps=4, inf_steps=(1,))
     trainer.train()
-    _assert_skipped_only(record.rows, 1)
+    assert_skipped_only(record.rows, 1)
     assert trainer.accelerator.scaler.stats()["steps"] == 4
     ref, _ = _direct(precision, "fused", accum=2, steps=4, inf_steps=(1,))
-    _assert_same_params(trainer.model, ref)
+    assert_same_params(trainer.model, ref)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
@@ -180,7 +164,7 @@ def test_hyperparameter_trial_accelerator_is_patched(tmp_path, fresh_accelerate,
     assert trainer.accelerator is not first and is_patched(trainer.accelerator)
     assert trainer.accelerator.scaler.state_dict()["hysteresis"] == 2
     assert isinstance(trainer.optimizer.optimizer, torch.optim.AdamW) and trainer.optimizer.optimizer.defaults["fused"]
-    _assert_skipped_only(record.rows, INF_STEP)
+    assert_skipped_only(record.rows, INF_STEP)
     assert record.rows[0]["lr"] < 2e-3
 
 

@@ -110,6 +110,7 @@ def test_accelerated_optimizer_is_followed():
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
+    AcceleratorState._reset_state(True)  # an earlier test may have left its own settings
     try:
         model = _model()
         opt = _adamw(model, "fused")
