@@ -10,6 +10,9 @@ runs in float32 on the CPU) and in bf16, against the same loop written on ampx d
 - ``save_state`` / ``load_state`` mid-run: ampx's settings come back and the run continues the
   uninterrupted trajectory; a folder saved without a scaler loads;
 - DDP over 2 gloo processes: both ranks skip the same steps and end with the same parameters;
+- the Trainer's norm-only call (max_norm=inf) changes nothing; ``ampx.MasterWeights`` under
+  ``accelerator.clip_grad_norm_`` gets the unscaled norm and the clip; ``GradScalerKwargs``
+  and ampx's settings merge;
 - what stays on Accelerate's path: ``mixed_precision="no"``, and DeepSpeed/FSDP (logged).
 """
 import json
@@ -125,6 +128,56 @@ def test_gradient_accumulation(precision, fresh_accelerate):
     assert acc.scaler.stats()["steps"] == 5  # one scaler step per optimizer step, not per micro-batch
     ref, _ = _train_direct(precision, "fused", accum=2, steps=5, inf_steps=(2,))
     assert_same_params(model, ref)
+
+
+@pytest.mark.parametrize("kind", ["plain", "fused"])
+def test_norm_only_clip_changes_nothing(kind, fresh_accelerate):
+    """The Trainer asks for the norm alone with max_norm=inf: that run ends where the unclipped
+    direct loop does."""
+    model, acc, _ = _train_accelerate("fp16", kind, clip=float("inf"))
+    assert acc.scaler.stats()["last_norm"] > 1.0
+    ref, _ = _train_direct("fp16", kind, clip=None)
+    assert_same_params(model, ref)
+
+
+def test_master_weights_under_accelerates_clip(fresh_accelerate):
+    """fp16 parameters with fp32 masters: accelerator.clip_grad_norm_ returns the unscaled norm and
+    clips on the way into the masters, as the direct loop does."""
+    def build():
+        model = _model()
+        return model, ampx.MasterWeights(adamw(model.parameters(), "plain"), model=model, dtype=torch.float16)
+
+    acc = patch(Accelerator(cpu=True, mixed_precision="fp16"), init_scale=2.0**10)
+    model, opt = build()
+    model, opt = acc.prepare(model, opt)
+    ref_model, ref_opt = build()
+    scaler = reference_scaler("fp16", init_scale=2.0**10)
+    for step in range(4):
+        x, y = _batch(step)
+        acc.backward(_loss(model(x.half()), y))
+        norm = acc.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = ref_model(x.half())
+        scaler.scale(_loss(out, y)).backward()
+        ref_norm = scaler.clip_grad_norm_(ref_opt, 0.5)
+        scaler.step(ref_opt)
+        scaler.update()
+        ref_opt.zero_grad()
+        assert float(norm) == float(ref_norm) and 0.5 < float(norm) < 1e3  # unscaled, and it clips
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert p.dtype == torch.float16 and torch.equal(p, q)
+
+
+def test_settings_merge_over_grad_scaler_kwargs(fresh_accelerate):
+    from accelerate.utils import GradScalerKwargs
+
+    acc = Accelerator(cpu=True, mixed_precision="fp16",
+                      kwargs_handlers=[GradScalerKwargs(init_scale=2.0**9, growth_interval=7)])
+    patch(acc, hysteresis=2, growth_interval=5)
+    sd = acc.scaler.state_dict()
+    assert (sd["scale"], sd["growth_interval"], sd["hysteresis"]) == (2.0**9, 5, 2)
 
 
 def test_fp16_on_the_cpu_runs_fp16_autocast(fresh_accelerate, caplog):
