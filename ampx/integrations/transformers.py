@@ -12,12 +12,11 @@ in front of the stock one). It overrides two methods the Trainer documents for o
   settings included) travels in the Trainer's checkpoints (``scaler.pt``).
 - ``log``: training logs get ``loss_scale`` and ``skipped_steps`` (the run's count so far).
 """
-import transformers
-
 from . import require
-from .accelerate import is_patched, patch
 
-require("transformers", "transformers")
+transformers = require("transformers", "transformers")
+require("accelerate", "transformers")  # the Trainer's own dependency, in ampx[transformers] too
+from .accelerate import is_patched, patch  # noqa: E402
 
 __all__ = ["AmpxTrainerMixin", "Trainer"]
 
