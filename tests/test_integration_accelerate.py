@@ -180,6 +180,13 @@ def test_settings_merge_over_grad_scaler_kwargs(fresh_accelerate):
     assert (sd["scale"], sd["growth_interval"], sd["hysteresis"]) == (2.0**9, 5, 2)
 
 
+def test_a_bad_setting_changes_nothing(fresh_accelerate):
+    acc = Accelerator(cpu=True, mixed_precision="fp16")
+    with pytest.raises(ValueError, match="hysteresis"):
+        patch(acc, hysteresis=0)
+    assert acc.scaler is None and not acc.native_amp and not is_patched(acc)
+
+
 def test_fp16_on_the_cpu_runs_fp16_autocast(fresh_accelerate, caplog):
     with caplog.at_level(logging.INFO, logger="ampx"):
         acc = patch(Accelerator(cpu=True, mixed_precision="fp16"))

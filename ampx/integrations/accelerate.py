@@ -82,6 +82,7 @@ def patch(accelerator, **scaler_kwargs):
         logger.info("ampx: mixed_precision=%r needs no loss scaler; the accelerator is left as it is", precision)
         return accelerator
     device = accelerator.device.type
+    scaler = _make_scaler(accelerator, precision, device, scaler_kwargs)  # a bad setting raises before any change
     if precision == "fp16" and not accelerator.native_amp:
         logger.info("ampx: mixed_precision='fp16' on %s, which Accelerate would run in float32: ampx runs "
                     "float16 autocast with its GradScaler instead", device)
@@ -89,9 +90,9 @@ def patch(accelerator, **scaler_kwargs):
         if accelerator._models:
             logger.warning("ampx: %d model(s) were prepared before patch(): they run without fp16 autocast; "
                            "call patch() before prepare()", len(accelerator._models))
-    accelerator.scaler = _make_scaler(accelerator, precision, device, scaler_kwargs)
-    for name in ("prepare_model", "prepare_optimizer", "unscale_gradients", "clip_grad_norm_", "load_state"):
-        setattr(accelerator, name, MethodType(globals()["_" + name], accelerator))
+    accelerator.scaler = scaler
+    for name, method in _METHODS.items():
+        setattr(accelerator, name, MethodType(method, accelerator))
     for model in accelerator._models:
         _watch(accelerator, model)
     for opt in accelerator._optimizers:
@@ -187,6 +188,11 @@ def _load_state(self, input_dir=None, *args, **kwargs):
         finally:
             self.scaler = scaler
     return type(self).load_state(self, input_dir, *args, **kwargs)
+
+
+_METHODS = {"prepare_model": _prepare_model, "prepare_optimizer": _prepare_optimizer,
+            "unscale_gradients": _unscale_gradients, "clip_grad_norm_": _clip_grad_norm_,
+            "load_state": _load_state}
 
 
 def is_patched(accelerator):
