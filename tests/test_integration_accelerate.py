@@ -10,7 +10,8 @@ runs in float32 on the CPU) and in bf16, against the same loop written on ampx d
 - ``save_state`` / ``load_state`` mid-run: ampx's settings come back and the run continues the
   uninterrupted trajectory; a folder saved without a scaler loads;
 - DDP over 2 gloo processes: both ranks skip the same steps and end with the same parameters;
-- the Trainer's norm-only call (max_norm=inf) changes nothing; ``ampx.MasterWeights`` under
+- ``accelerator.unscale_gradients`` unscales once, through ampx, in bf16 too; the Trainer's
+  norm-only call (max_norm=inf) changes nothing; ``ampx.MasterWeights`` under
   ``accelerator.clip_grad_norm_`` gets the unscaled norm and the clip; ``GradScalerKwargs``
   and ampx's settings merge;
 - what stays on Accelerate's path: ``mixed_precision="no"``, and DeepSpeed/FSDP (logged).
@@ -44,6 +45,12 @@ NAME = "2.weight"  # the parameter whose gradient gets the inf
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def _model_and(kind):
+    """A model and an AdamW of ``kind`` over it."""
+    model = _model()
+    return model, adamw(model.parameters(), kind)
 
 
 def _batch(i):
@@ -180,6 +187,30 @@ def test_settings_merge_over_grad_scaler_kwargs(fresh_accelerate):
     assert (sd["scale"], sd["growth_interval"], sd["hysteresis"]) == (2.0**9, 5, 2)
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_unscale_gradients_is_ampxs(precision, fresh_accelerate):
+    """accelerator.unscale_gradients unscales once through ampx (stock bf16 does nothing, so an
+    inf would go unnoticed); the step after it neither unscales again nor misses the inf."""
+    acc = patch(Accelerator(cpu=True, mixed_precision=precision), **({"init_scale": 2.0**10}
+                                                                     if precision == "fp16" else {}))
+    model, opt = acc.prepare(*_model_and("fused"))
+    InfAt(model[2].weight, [1])
+    for step in range(2):
+        x, y = _batch(step)
+        acc.backward(_loss(model(x), y))
+        scaled = [p.grad.clone() for p in model.parameters()]
+        acc.unscale_gradients()
+        with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
+            acc.unscale_gradients(opt)
+        for g, p in zip(scaled, model.parameters()):
+            assert torch.equal(p.grad, g / acc.scaler.get_scale())
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        assert moved == (step == 0) and acc.optimizer_step_was_skipped == (step == 1)
+
+
 def test_a_bad_setting_changes_nothing(fresh_accelerate):
     acc = Accelerator(cpu=True, mixed_precision="fp16")
     with pytest.raises(ValueError, match="hysteresis"):
@@ -221,18 +252,18 @@ def test_save_and_resume_mid_run(precision, tmp_path, fresh_accelerate):
 
 def test_a_folder_saved_without_a_scaler_loads(tmp_path, fresh_accelerate):
     acc = Accelerator(cpu=True, mixed_precision="bf16")  # stock: no scaler, so no scaler.pt
-    model, opt = acc.prepare(_model(), adamw(_model().parameters(), "plain"))
+    model, opt = acc.prepare(*_model_and("plain"))
     acc.save_state(str(tmp_path))
     reset_accelerate()
     acc = patch(Accelerator(cpu=True, mixed_precision="bf16"), hysteresis=3)
-    acc.prepare(_model(), adamw(_model().parameters(), "plain"))
+    acc.prepare(*_model_and("plain"))
     acc.load_state(str(tmp_path))
     assert acc.scaler.state_dict()["hysteresis"] == 3
 
 
 def test_optimizers_prepared_before_the_patch_are_adopted(fresh_accelerate):
     acc = Accelerator(cpu=True, mixed_precision="bf16")
-    model, opt = acc.prepare(_model(), adamw(_model().parameters(), "fused"))
+    model, opt = acc.prepare(*_model_and("fused"))
     patch(acc)
     assert isinstance(opt, AmpxAcceleratedOptimizer) and opt.scaler is acc.scaler
 
