@@ -292,7 +292,9 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         ``unscale_`` was called first, it clips the already-unscaled gradients.
 
         Args:
-            optimizer: the optimizer whose gradients to clip.
+            optimizer: the optimizer whose gradients to clip (a framework's wrapper of it, as
+                Accelerate's or Lightning's, stands for the optimizer it wraps: see
+                ``resolve_optimizer``; so do the other methods that take an optimizer).
             max_norm: the largest allowed total norm.
             norm_type: 2, 1 or inf (others fall back to torch's clip_grad_norm_).
             error_if_nonfinite: raise RuntimeError if the norm is inf/NaN (forces a host sync;
@@ -304,6 +306,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         Raises:
             RuntimeError: called twice, or after ``step``, in the same iteration.
         """
+        optimizer = resolve_optimizer(optimizer, "clip_grad_norm_")
         if not self._enabled:
             return self._clip_without_scaling(optimizer, max_norm, norm_type, error_if_nonfinite)
         self._check_scale_growth_tracker("clip_grad_norm_")
@@ -443,6 +446,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
 
     def unscale_(self, optimizer):
         """Unscales the optimizer's gradients in place and checks them for inf/NaN (as torch)."""
+        optimizer = resolve_optimizer(optimizer, "unscale_")
         if not self._enabled:
             return
         state = self._per_optimizer_states[id(optimizer)]
@@ -457,6 +461,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         step was skipped (for optimizers that handle scaling themselves, reading it waits for
         the device; nothing else does).
         """
+        optimizer = resolve_optimizer(optimizer, "step", "param_groups" if self._enabled else "step")
         if not self._enabled:
             self.last_step_skipped = False
             return optimizer.step(*args, **kwargs)
@@ -556,6 +561,44 @@ def __getattr__(name):
 
         return ShardedGradScaler
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def resolve_optimizer(optimizer, method, needs="param_groups"):
+    """The optimizer whose gradients and per-step state ``method`` works on.
+
+    A framework's optimizer wrapper is followed through its ``.optimizer`` to the optimizer it
+    wraps, so the scaler keys one per-step state whichever object the caller holds (the wrapper
+    for clipping, the inner optimizer in the framework's own step): nothing is unscaled twice.
+    Followed: an object that is not a ``torch.optim.Optimizer`` but whose ``.optimizer`` is one
+    (Lightning's ``LightningOptimizer`` and the like), and Accelerate's ``AcceleratedOptimizer``
+    (an Optimizer subclass that only delegates; recognised by name, so accelerate is never
+    imported). Never followed: any other Optimizer subclass, whose own ``step`` may do work
+    (``ampx.MasterWeights``, Lookahead-style wrappers).
+
+    Raises TypeError naming ``method`` when the object is no optimizer at all (it lacks
+    ``needs``: ``param_groups``, or for a disabled scaler's step only ``step``) and wraps none.
+    """
+    opt = optimizer
+    for _ in range(16):  # a wrapper of a wrapper ...; a cycle ends here
+        if isinstance(opt, torch.optim.Optimizer) and not _is_accelerate_wrapper(opt):
+            break
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or inner is opt:
+            break
+        opt = inner
+    if not isinstance(opt, torch.optim.Optimizer):
+        opt = optimizer  # the chain reaches no optimizer: not a wrapper ampx knows
+    if not hasattr(opt, needs):
+        raise TypeError(
+            f"ampx.GradScaler.{method}: the optimizer argument must be a torch.optim.Optimizer, or a "
+            f"wrapper whose .optimizer is one (as Accelerate's and Lightning's are), not "
+            f"{type(optimizer).__name__}")
+    return opt
+
+
+def _is_accelerate_wrapper(opt):
+    return any(c.__name__ == "AcceleratedOptimizer" and c.__module__.startswith("accelerate.")
+               for c in type(opt).__mro__)
 
 
 def _by_device(params, grads, devices):

@@ -7,7 +7,8 @@
 #
 # It creates .venv (once), installs torch==2.13.0 (pinned: an unpinned torch
 # pulls a multi-gigabyte CUDA build) and what the job needs (demo: matplotlib and
-# tqdm; test: also pytest, hypothesis, numpy, DeepSpeed and Lightning; bench: numpy), builds
+# tqdm; test: also pytest, hypothesis, numpy, DeepSpeed, Accelerate, Transformers and Lightning;
+# bench: numpy), builds
 # ampx in place (editable), and runs the job. Extra arguments go to the job.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,9 +33,10 @@ case "$job" in
   demo)  need=(matplotlib tqdm);              probe="import torch, matplotlib, tqdm, setuptools, wheel" ;;
   bench) need=(numpy);                        probe="import torch, numpy, setuptools, wheel" ;;
   # DeepSpeed is only for the tests of Policy.deepspeed_config and prepare(); DS_BUILD_OPS=0
-  # builds none of its ops. Lightning is for tests/test_integration_lightning.py (tested: 2.6.6).
-  test)  need=("pytest>=7" "hypothesis>=6" numpy matplotlib tqdm deepspeed "lightning>=2.4")
-         probe="import torch, pytest, hypothesis, numpy, matplotlib, tqdm, deepspeed, lightning, setuptools, wheel" ;;
+  # builds none of its ops. Accelerate, Transformers and Lightning are for the tests of
+  # ampx.integrations (tested: accelerate 1.16.0, transformers 5.24.0, lightning 2.6.6).
+  test)  need=("pytest>=7" "hypothesis>=6" numpy matplotlib tqdm deepspeed accelerate transformers "lightning>=2.4")
+         probe="import torch, pytest, hypothesis, numpy, matplotlib, tqdm, deepspeed, accelerate, transformers, lightning, setuptools, wheel" ;;
 esac
 if ! "$V/python" -c "$probe" 2>/dev/null; then
   pip_q --upgrade pip

@@ -22,3 +22,14 @@ def test_missing_framework_names_the_extra():
 
 def test_present_module_is_returned():
     assert require("json", "accelerate").__name__ == "json"
+
+
+@pytest.mark.parametrize("module, missing, extra", [("accelerate", "accelerate", "accelerate"),
+                                                    ("transformers", "transformers", "transformers"),
+                                                    ("transformers", "accelerate", "transformers")])
+def test_an_integration_without_its_framework_names_the_extra(module, missing, extra):
+    code = (f"import sys; sys.modules[{missing!r}] = None\n"
+            f"try:\n    import ampx.integrations.{module}\nexcept ImportError as e:\n    print(e)\n"
+            "else:\n    raise SystemExit('imported')")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert f"pip install ampx[{extra}]" in out and f"'{missing}'" in out

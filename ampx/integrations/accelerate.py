@@ -1,0 +1,200 @@
+"""ampx inside Hugging Face Accelerate: ``patch(accelerator, **scaler_kwargs)``.
+
+One call on an ``Accelerator`` (made by the user, by the Transformers ``Trainer`` or by any other
+library), before ``prepare``:
+
+- ``accelerator.scaler`` becomes an ``ampx.GradScaler`` built from the accelerator's own
+  ``GradScalerKwargs`` plus ``scaler_kwargs`` (any of ampx's settings: ``hysteresis=2`` ...).
+  fp16 gets a dynamic scaler; bf16 a static scale of 1, which scales nothing but still checks the
+  gradients, skips steps that hold inf/NaN and names the parameters (``enabled=False`` turns that
+  off). Accelerate's ``save_state``/``load_state`` and the Trainer's checkpoints carry its
+  ``state_dict`` (ampx's settings included) as they carry torch's.
+- ``accelerator.clip_grad_norm_`` and ``unscale_gradients`` go through the scaler: when the
+  parameters are exactly one optimizer's, one fused pass unscales, checks and takes the norm, and
+  a fused optimizer gets the clip folded into its own step; otherwise every optimizer is unscaled
+  by ampx and Accelerate's own clip runs on the unscaled gradients.
+- ``optimizer.step_was_skipped`` and ``accelerator.optimizer_step_was_skipped`` report the scaler's
+  ``last_step_skipped`` (Accelerate infers a skip from the inner ``step`` not running, which a
+  fused optimizer always does), so ``AcceleratedScheduler`` and the Trainer hold the LR schedule
+  on skipped steps.
+- ``mixed_precision="fp16"`` on the CPU, which Accelerate runs in float32 without a word, runs
+  fp16 autocast with the scaler (logged).
+- FSDP, DeepSpeed and Megatron-LM set-ups are left on Accelerate's own path (logged).
+
+Why a function that patches an instance, not an ``Accelerator`` subclass: see docs/DESIGN.md
+("Framework integrations").
+"""
+import logging
+import os
+from types import MethodType
+
+from . import require
+from ..scaler import GradScaler, resolve_optimizer
+
+require("accelerate", "accelerate")
+from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step  # noqa: E402
+
+__all__ = ["patch", "is_patched", "AmpxAcceleratedOptimizer"]
+
+logger = logging.getLogger("ampx")
+
+_SCALER_FILE = "scaler.pt"  # Accelerate's name for the scaler's state in a save_state folder
+_OWN_PATH = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
+
+
+class AmpxAcceleratedOptimizer(AcceleratedOptimizer):
+    """Accelerate's optimizer wrapper, with the skipped-step signal taken from the ampx scaler.
+
+    ``patch`` turns the wrappers its accelerator prepares into this class; nothing else changes.
+    The scaler's ``last_step_skipped`` is kept as it is (read from the device only when asked)."""
+
+    def step(self, closure=None):
+        super().step(closure)
+        if self.gradient_state.sync_gradients and isinstance(self.scaler, GradScaler):
+            self._is_overflow = self.scaler.last_step_skipped
+
+    @property
+    def step_was_skipped(self):
+        """Whether the last optimizer step was skipped (inf/NaN gradients), as ampx saw it."""
+        return bool(self._is_overflow)
+
+
+def patch(accelerator, **scaler_kwargs):
+    """Puts ampx's GradScaler, fused clip and truthful skipped steps into ``accelerator``.
+
+    Call it right after creating the accelerator, before ``prepare`` (optimizers and models
+    prepared earlier are adopted, but a model prepared before fp16 autocast was switched on for
+    the CPU runs without it). Calling it again replaces the scaler with one built from the new
+    settings. Returns the accelerator.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator``.
+        **scaler_kwargs: ``ampx.GradScaler`` settings; they override the accelerator's
+            ``GradScalerKwargs``. ``named_parameters`` is filled in from each prepared model.
+    """
+    kind = accelerator.distributed_type
+    if kind.name in _OWN_PATH or getattr(accelerator, "is_fsdp2", False):
+        logger.warning("ampx: Accelerate runs %s with its own mixed precision; ampx leaves it there "
+                       "(no ampx scaler installed)", kind.name)
+        return accelerator
+    precision = accelerator.mixed_precision
+    if precision not in ("fp16", "bf16"):
+        logger.info("ampx: mixed_precision=%r needs no loss scaler; the accelerator is left as it is", precision)
+        return accelerator
+    device = accelerator.device.type
+    scaler = _make_scaler(accelerator, precision, device, scaler_kwargs)  # a bad setting raises before any change
+    if precision == "fp16" and not accelerator.native_amp:
+        logger.info("ampx: mixed_precision='fp16' on %s, which Accelerate would run in float32: ampx runs "
+                    "float16 autocast with its GradScaler instead", device)
+        accelerator.native_amp = True
+        if accelerator._models:
+            logger.warning("ampx: %d model(s) were prepared before patch(): they run without fp16 autocast; "
+                           "call patch() before prepare()", len(accelerator._models))
+    accelerator.scaler = scaler
+    for name, method in _METHODS.items():
+        setattr(accelerator, name, MethodType(method, accelerator))
+    for model in accelerator._models:
+        _watch(accelerator, model)
+    for opt in accelerator._optimizers:
+        _adopt(opt, accelerator.scaler)
+    return accelerator
+
+
+def _make_scaler(accelerator, precision, device, scaler_kwargs):
+    """The ampx scaler for this accelerator: Accelerate's GradScalerKwargs, then ampx's defaults
+    for the precision, then the caller's settings."""
+    handler = getattr(accelerator, "scaler_handler", None)
+    kwargs = handler.to_kwargs() if handler is not None else {}
+    if precision == "bf16":
+        kwargs.update(init_scale=1.0, dynamic=False)  # check and skip, never scale
+    kwargs.update(scaler_kwargs)
+    return GradScaler(device, **kwargs)
+
+
+def _adopt(opt, scaler):
+    """An optimizer wrapper prepared by this accelerator steps through ``scaler`` and reports its
+    skipped steps. (Accelerate's wrapper only routes through a scaler it was given when built.)"""
+    if type(opt) is AcceleratedOptimizer:
+        opt.__class__ = AmpxAcceleratedOptimizer
+    if opt.scaler is None:
+        opt._accelerate_step_called = False
+        opt._optimizer_original_step_method = opt.optimizer.step
+        opt._optimizer_patched_step_method = patch_optimizer_step(opt, opt.optimizer.step)
+    opt.scaler = scaler
+
+
+def _watch(accelerator, model):
+    if isinstance(accelerator.scaler, GradScaler):
+        accelerator.scaler.watch(accelerator.unwrap_model(model).named_parameters())
+
+
+# ---- the accelerator's methods, as patch() installs them on the instance -----------------------
+
+def _prepare_model(self, model, *args, **kwargs):
+    model = type(self).prepare_model(self, model, *args, **kwargs)
+    _watch(self, model)  # overflow reports name parameters as the user's model does
+    return model
+
+
+def _prepare_optimizer(self, optimizer, *args, **kwargs):
+    opt = type(self).prepare_optimizer(self, optimizer, *args, **kwargs)
+    if isinstance(opt, AcceleratedOptimizer):
+        _adopt(opt, self.scaler)
+    return opt
+
+
+def _unscale_gradients(self, optimizer=None):
+    """Accelerate's ``unscale_gradients``, each optimizer unscaled by ampx in one fused pass."""
+    if optimizer is None:
+        optimizer = self._optimizers
+    elif not isinstance(optimizer, (list, tuple)):
+        optimizer = [optimizer]
+    for opt in optimizer:
+        self.scaler.unscale_(opt)  # the scaler follows Accelerate's wrapper to the optimizer
+
+
+def _clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+    """Accelerate's ``clip_grad_norm_``: ampx's fused clip when ``parameters`` are exactly the
+    parameters with gradients of one prepared optimizer (the usual ``model.parameters()``);
+    otherwise ampx unscales every optimizer and Accelerate's own clip runs."""
+    params = list(parameters)
+    opt = _owner(self, params)
+    if opt is None:
+        logger.debug("ampx: clip_grad_norm_ over parameters that are not one optimizer's: Accelerate's clip")
+        return type(self).clip_grad_norm_(self, params, max_norm, norm_type)
+    return self.scaler.clip_grad_norm_(opt, max_norm, norm_type)
+
+
+def _owner(accelerator, params):
+    """The one prepared optimizer whose parameters with gradients are those of ``params``, or None.
+    (For ``ampx.MasterWeights`` those are the model's low-precision parameters.)"""
+    wanted = {id(p) for p in params if p.grad is not None}
+    for opt in accelerator._optimizers:
+        inner = resolve_optimizer(opt, "clip_grad_norm_")
+        have, _, _ = GradScaler._params_with_grads(inner)
+        if {id(p) for p in have} == wanted:
+            return opt
+    return None
+
+
+def _load_state(self, input_dir=None, *args, **kwargs):
+    """Accelerate's ``load_state``; a folder saved without a scaler (bf16 or CPU fp16 on the stock
+    path) loads too, the scaler keeping its settings."""
+    if input_dir is not None and not os.path.isfile(os.path.join(input_dir, _SCALER_FILE)):
+        logger.info("ampx: %s holds no scaler state; the ampx scaler keeps its settings", input_dir)
+        scaler, self.scaler = self.scaler, None
+        try:
+            return type(self).load_state(self, input_dir, *args, **kwargs)
+        finally:
+            self.scaler = scaler
+    return type(self).load_state(self, input_dir, *args, **kwargs)
+
+
+_METHODS = {"prepare_model": _prepare_model, "prepare_optimizer": _prepare_optimizer,
+            "unscale_gradients": _unscale_gradients, "clip_grad_norm_": _clip_grad_norm_,
+            "load_state": _load_state}
+
+
+def is_patched(accelerator):
+    """Whether ``patch`` installed an ampx scaler on this accelerator."""
+    return isinstance(getattr(accelerator, "scaler", None), GradScaler) and "clip_grad_norm_" in vars(accelerator)

@@ -1,0 +1,179 @@
+"""ampx inside the Transformers ``Trainer``: ``ampx.integrations.transformers.Trainer``.
+
+A 2-layer GPT-2 built from a ``GPT2Config`` (nothing downloaded) trains on the CPU in fp16 (which
+the stock Trainer runs in float32 on the CPU) and bf16, against the same loop written on ampx:
+- an inf injected into a named gradient at a chosen step: that step and only that step is
+  skipped, ``accelerator.optimizer_step_was_skipped`` says so, the Trainer holds the LR
+  schedule there, the overflow report names the parameter, and the Trainer's logs carry
+  ``loss_scale`` and ``skipped_steps``;
+- the Trainer's clip is ampx's fused clip (counted) and the parameters match the direct loop
+  (rtol 1e-6) for plain, foreach and fused AdamW; gradient accumulation too;
+- ``resume_from_checkpoint`` mid-run restores ampx's settings and continues the uninterrupted run;
+- the accelerator the Trainer re-creates for a hyperparameter-search trial is patched too, and
+  the Trainer's default optimizer (fused AdamW) holds its schedule on skipped steps.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+transformers = pytest.importorskip("transformers")
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments  # noqa: E402
+
+import ampx  # noqa: E402
+from ampx.integrations.accelerate import is_patched  # noqa: E402
+from ampx.integrations.transformers import Trainer  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _accel_helpers import (DTYPES, InfAt, adamw, assert_same_params, assert_skipped_only,  # noqa: E402
+                            count_clips, direct_step, fresh_accelerate, reference_scaler,  # noqa: F401
+                            reset_accelerate)
+
+STEPS = 6
+INF_STEP = 2
+NAME = "transformer.h.1.mlp.c_fc.weight"
+BATCH = 4
+SCALER = {"init_scale": 2.0**10, "growth_interval": 3}
+
+
+def _model():
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16, bos_token_id=0,
+                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def _data(n):
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 64, (n, 16), generator=g)
+    return [{"input_ids": x, "labels": x} for x in ids]
+
+
+class Record(TrainerCallback):
+    """What the Trainer decided at each optimizer step, and the inf injection."""
+
+    def __init__(self, inf_steps=(INF_STEP,), accum=1):
+        self.inf_steps, self.accum, self.trainer, self.rows = inf_steps, accum, None, []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        InfAt(dict(model.named_parameters())[NAME], self.inf_steps, self.accum)
+
+    def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
+        self.rows.append({"skipped": self.trainer.accelerator.optimizer_step_was_skipped,
+                          "lr": lr_scheduler.get_last_lr()[0]})
+
+
+def _trainer(tmp_path, precision, kind=None, *, accum=1, steps=STEPS, inf_steps=(INF_STEP,), scaler=SCALER,
+             model=None, **args):
+    model = model or _model()
+    args = TrainingArguments(str(tmp_path), **{**dict(
+        use_cpu=True, report_to=[], disable_tqdm=True, max_steps=steps, per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=accum, learning_rate=1e-2, max_grad_norm=0.5, logging_steps=1,
+        save_strategy="no", train_sampling_strategy="sequential"), precision: True, **args})
+    record = Record(inf_steps, accum)
+    optimizers = (adamw(model.parameters(), kind), None) if kind else (None, None)
+    trainer = Trainer(model=model, args=args, train_dataset=_data(BATCH * accum * 8), callbacks=[record],
+                      optimizers=optimizers, ampx_scaler=scaler)
+    trainer.model_accepts_loss_kwargs = False  # a per-batch mean loss, which the direct loop repeats
+    record.trainer = trainer
+    return trainer, record
+
+
+def _direct(precision, kind, *, accum=1, steps=STEPS, inf_steps=(INF_STEP,)):
+    """The Trainer's loop written on ampx: autocast, ampx.GradScaler, its clip, a held schedule."""
+    model = _model()
+    opt = adamw(model.parameters(), kind)
+    sched = transformers.get_scheduler("linear", opt, num_warmup_steps=0, num_training_steps=steps)
+    scaler = reference_scaler(precision, **SCALER)
+    InfAt(dict(model.named_parameters())[NAME], inf_steps, accum)
+    data = _data(BATCH * accum * 8)
+    for step in range(steps):
+        for micro in range(accum):
+            rows = data[(step * accum + micro) * BATCH:(step * accum + micro + 1) * BATCH]
+            batch = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels")}
+            with torch.autocast("cpu", dtype=DTYPES[precision]):
+                loss = model(**batch).loss
+            scaler.scale(loss.float() / accum).backward()
+        direct_step(scaler, opt, sched, 0.5)
+    return model, scaler
+
+
+@pytest.mark.parametrize("kind", ["plain", "foreach", "fused"])
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_skip_clip_logs_and_parity(precision, kind, tmp_path, fresh_accelerate):
+    trainer, record = _trainer(tmp_path, precision, kind)
+    with count_clips() as clips:
+        trainer.train()
+    assert len(clips) == STEPS
+    assert_skipped_only(record.rows, INF_STEP)
+    scaler = trainer.accelerator.scaler
+    assert scaler.overflow_report().inf == [NAME]
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["skipped_steps"] for h in logs] == [int(i >= INF_STEP) for i in range(STEPS)]
+    assert logs[-1]["loss_scale"] == scaler.get_scale()
+    ref, ref_scaler = _direct(precision, kind)
+    assert scaler.get_scale() == ref_scaler.get_scale()
+    assert_same_params(trainer.model, ref)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_gradient_accumulation(precision, tmp_path, fresh_accelerate):
+    trainer, record = _trainer(tmp_path, precision, "fused", accum=2, steps=4, inf_steps=(1,))
+    trainer.train()
+    assert_skipped_only(record.rows, 1)
+    assert trainer.accelerator.scaler.stats()["steps"] == 4
+    ref, _ = _direct(precision, "fused", accum=2, steps=4, inf_steps=(1,))
+    assert_same_params(trainer.model, ref)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_resume_mid_run(precision, tmp_path, fresh_accelerate):
+    settings = {"init_scale": 2.0**10, "growth_interval": 2, "hysteresis": 2}
+    full, _ = _trainer(tmp_path / "a", precision, "plain", steps=6, inf_steps=(1, 4), scaler=settings,
+                       save_strategy="steps", save_steps=3)
+    full.train()
+    reset_accelerate()
+    # ampx's defaults here: the checkpoint brings the run's settings back
+    resumed, record = _trainer(tmp_path / "b", precision, "plain", steps=6, inf_steps=(1,), scaler={})
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-3"))
+    scaler = resumed.accelerator.scaler
+    assert scaler.state_dict()["hysteresis"] == 2 and scaler.stats()["skipped_steps"] == 1
+    assert scaler.get_scale() == full.accelerator.scaler.get_scale()
+    for p, q in zip(resumed.model.parameters(), full.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_hyperparameter_trial_accelerator_is_patched(tmp_path, fresh_accelerate, monkeypatch):
+    """``hyperparameter_search`` re-creates the accelerator for every trial (``_hp_search_setup``):
+    the new one is patched too. Also: the Trainer's default optimizer (fused AdamW) holds its
+    schedule on the skipped step. (The trial is a dict, as the W&B and Ray back-ends give; none of
+    them is installed, so the Trainer's two readers of the back-end's trial are stubbed.)"""
+    import transformers.integrations
+    from transformers.trainer_utils import HPSearchBackend
+
+    monkeypatch.setattr(transformers.integrations, "hp_params", dict)
+
+    trainer, record = _trainer(tmp_path, "fp16", scaler={"init_scale": 2.0**10, "hysteresis": 2})
+    assert trainer.args.optim == "adamw_torch_fused"
+    first = trainer.accelerator
+    trainer.hp_search_backend = HPSearchBackend.WANDB  # a trial given as a dict of arguments
+    monkeypatch.setattr(trainer, "_get_output_dir", lambda trial: str(tmp_path))  # W&B's run name
+    trainer.train(trial={"learning_rate": 2e-3})
+    assert trainer.accelerator is not first and is_patched(trainer.accelerator)
+    assert trainer.accelerator.scaler.state_dict()["hysteresis"] == 2
+    assert isinstance(trainer.optimizer.optimizer, torch.optim.AdamW) and trainer.optimizer.optimizer.defaults["fused"]
+    assert_skipped_only(record.rows, INF_STEP)
+    assert record.rows[0]["lr"] < 2e-3
+
+
+def test_mixin_composes_with_any_trainer_class(tmp_path, fresh_accelerate):
+    from ampx.integrations.transformers import AmpxTrainerMixin
+
+    class MyTrainer(AmpxTrainerMixin, transformers.Trainer):
+        pass
+
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], bf16=True, max_steps=1)
+    trainer = MyTrainer(model=_model(), args=args, train_dataset=_data(8), ampx_scaler={"hysteresis": 3})
+    assert is_patched(trainer.accelerator) and isinstance(trainer.accelerator.scaler, ampx.GradScaler)
