@@ -6,8 +6,9 @@ checks the GPU's bits against ampx's CPU kernels). This file keeps the rest.
 
 Everywhere (no GPU needed):
   * ampx imports; ampx.cuda says whether it is available and, when not, why;
-  * the fatbin was built into the package when nvcc is present, with SASS for sm_80, sm_86,
-    sm_89, sm_90 and PTX for compute_90;
+  * the fatbin was built into the package when nvcc is present, with SASS for sm_80, 86, 89,
+    90, 100, 120 and PTX for compute_80, by CUDA 12 when its ptxas is installed, and the toolkit
+    recorded beside it;
   * the C host layer validates CUDA calls before touching the driver, and reports a missing
     driver as an exception;
   * the multi-tensor launcher (csrc/cuda_launch.c), compiled against a fake driver that records
@@ -127,18 +128,32 @@ def test_fatbin_was_built_into_the_package_with_every_arch():
     entries = _fatbin_entries(data)
     sass = sorted(arch for kind, arch, _ in entries if kind == 2)
     ptx = sorted(arch for kind, arch, _ in entries if kind == 1)
-    assert sass == [80, 86, 89, 90], entries
-    assert ptx == [90]
+    assert sass == [80, 86, 89, 90, 100, 120], [(k, a) for k, a, _ in entries]
+    assert ptx == [80]
     for kind, arch, payload in entries:  # the container's arch agrees with each cubin's own
         if kind == 2:
             assert _elf_sm(payload) == arch
-    tool = shutil.which("cuobjdump") or (os.path.join(os.path.dirname(_find_nvcc()), "cuobjdump"))
-    if os.path.isfile(tool):
-        listing = subprocess.run([tool, "--list-elf", "--list-ptx", path], capture_output=True, text=True,
-                                 check=True).stdout
-        for a in ("sm_80", "sm_86", "sm_89", "sm_90"):
-            assert a in listing, listing
-        assert "compute_90" in listing or "sm_90.ptx" in listing, listing
+    info = ampx.cuda.build_info()
+    assert info["sass"] == sass and info["ptx"] == ptx, info
+    # The PTX's ISA version is one the recorded toolkit's ptxas (and so that release's driver)
+    # accepts: CUDA 12.9 -> 8.8, 13.0 -> 9.0. (The PTX travels uncompressed here.)
+    isa = {12080: b"8.7", 12090: b"8.8", 13000: b"9.0"}.get(info["ptx_toolkit"])
+    if isa is not None:
+        assert b"\n.version " + isa + b"\n" in data, info
+
+
+def test_fatbin_prefers_a_cuda12_ptxas_so_old_drivers_load_it():
+    """With the nvidia-cuda-nvcc-cu12 package present (CI installs it), the SASS comes from CUDA
+    12 (any R525+ driver loads it), whatever release the system nvcc is."""
+    if not os.path.isfile(ampx.cuda.fatbin_path()):
+        pytest.skip("ampx was built without its CUDA kernels")
+    import importlib.util
+
+    if importlib.util.find_spec("nvidia") is None or not any(
+            os.path.isfile(os.path.join(p, "cuda_nvcc", "bin", "ptxas"))
+            for p in importlib.util.find_spec("nvidia").submodule_search_locations):
+        pytest.skip("nvidia-cuda-nvcc-cu12 is not installed (pip install nvidia-cuda-nvcc-cu12)")
+    assert 12080 <= ampx.cuda.build_info()["sass_toolkit"] < 13000, ampx.cuda.build_info()
 
 
 def test_cuda_entry_points_validate_before_the_driver():
