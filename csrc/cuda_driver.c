@@ -148,12 +148,12 @@ static int driver_branch(int version)
     return 0;
 }
 
-/* "CUDA 12.9 (R575 or newer)" for a cuDriverGetVersion number. */
-static void describe_release(char *out, size_t size, int version)
+/* "CUDA 12.9" for a cuDriverGetVersion number, with " (R575 or newer)" when `branch`. */
+static void describe_release(char *out, size_t size, int version, int branch)
 {
-    int branch = driver_branch(version);
+    branch = branch ? driver_branch(version) : 0;
     if (branch > 0)
-        snprintf(out, size, "CUDA %d.%d (an R%d or newer driver)", version / 1000, version % 1000 / 10, branch);
+        snprintf(out, size, "CUDA %d.%d (R%d or newer)", version / 1000, version % 1000 / 10, branch);
     else
         snprintf(out, size, "CUDA %d.%d", version / 1000, version % 1000 / 10);
 }
@@ -162,9 +162,9 @@ static void describe_release(char *out, size_t size, int version)
 static void explain_load_failure(ampx_cu_error *err, int ordinal, int major, int minor)
 {
     char need[96], have[96];
-    describe_release(have, sizeof have, driver_version);
+    describe_release(have, sizeof have, driver_version, 0);
     if (image_ptx_toolkit > 0) {
-        describe_release(need, sizeof need, image_ptx_toolkit);
+        describe_release(need, sizeof need, image_ptx_toolkit, 1);
         append(err, ". Device %d has compute capability %d.%d; ampx's fatbin holds SASS for sm_80 to sm_120 "
                "(any 8.x to 12.x GPU; from CUDA %d.%d) and PTX for compute_80 (any newer GPU, compiled by "
                "a driver for %s); this driver is for %s", ordinal, major, minor, image_sass_toolkit / 1000,
@@ -378,8 +378,8 @@ static int check_driver_release(ampx_cu_error *err)
     if (image_sass_toolkit <= 0 || driver_version >= need)
         return 0;
     char needs[96], have[96];
-    describe_release(needs, sizeof needs, need);
-    describe_release(have, sizeof have, driver_version);
+    describe_release(needs, sizeof needs, need, 1);
+    describe_release(have, sizeof have, driver_version, 0);
     set_msg(err, AMPX_CU_E_AMPX,
             "ampx's CUDA kernels were built with CUDA %d.%d and need a driver for %s, but this NVIDIA driver "
             "is for %s. To fix: update the NVIDIA driver, or rebuild ampx with an older toolkit (pip install "
