@@ -174,6 +174,7 @@ typedef struct {
     int reduce, write, scale; /* scale kernel: AMPX_REDUCE_*, store, multiply */
     int stochastic;
     uint64_t seed, offset;
+    ampx_cu_deviceptr rng; /* casts: {seed, offset} on the device (a CUDA graph replays its current value), or 0 */
     double factor;
     ampx_cu_deviceptr factor_ptr, found_inf, flags_out, per_out, total_out;
 } ampx_cu_job;

@@ -221,6 +221,7 @@ int cuda_cast(mstate *st, entry_call *c)
     job.stochastic = c->stochastic;
     job.seed = c->seed;
     job.offset = c->offset;
+    job.rng = dptr(c->rng);
     cuda_run r;
     int rc = cuda_prepare(st, &c->at, &job, &c->S, &r);
     if (rc == 0)

@@ -665,14 +665,21 @@ __device__ __forceinline__ part_t cast_chunk(const char *s, char *d, int64_t len
 }
 
 struct cast_body : with_factor {
-    __device__ __forceinline__ cast_body(const ampx_cu_args &args) : with_factor(args) {}
+    uint64_t seed, offset; /* stochastic rounding's key: from the device when a.rng is set */
+
+    __device__ __forceinline__ cast_body(const ampx_cu_args &args) : with_factor(args)
+    {
+        const uint64_t *rng = reinterpret_cast<const uint64_t *>(a.rng);
+        seed = rng != nullptr && a.stochastic ? rng[0] : a.seed;
+        offset = rng != nullptr && a.stochastic ? rng[1] : a.offset;
+    }
 
     template <int S, int D, bool SR>
     __device__ __forceinline__ part_t go(int slot, int64_t start, int64_t len)
     {
         ampx_sr_key_t key = {0u, 0u};
         if (SR)
-            key = ampx_sr_key(a.seed, a.offset, a.index[slot], (uint32_t)((uint64_t)start >> 32));
+            key = ampx_sr_key(seed, offset, a.index[slot], (uint32_t)((uint64_t)start >> 32));
         const char *s = reinterpret_cast<const char *>(a.src[slot]) + start * dt_info<S>::size;
         char *d = reinterpret_cast<char *>(a.ptr[slot]) + start * dt_info<D>::size;
         return cast_chunk<S, D, SR>(s, d, len, fs, fd, key, (uint32_t)start);

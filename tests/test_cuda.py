@@ -513,7 +513,9 @@ class Emulator:
         return out
 
     def cast(self, srcs, dst_dtypes, *, factor=1.0, factor_dev=False, stochastic=False, seed=0, offset=0,
-             found=False, flags=False, grid_cap=0, mis_src=0, mis_dst=0):
+             rng_dev=False, found=False, flags=False, grid_cap=0, mis_src=0, mis_dst=0):
+        """rng_dev: seed and offset travel in "device memory" (the kernel reads them there) and
+        the job's own seed/offset fields hold other values."""
         ar = Arena()
         so = [ar.tensor(t, mis_src) for t in srcs]
         dsts = [torch.full((t.numel(),), 7.0, dtype=dt) for t, dt in zip(srcs, dst_dtypes)]
@@ -522,8 +524,11 @@ class Emulator:
         fo = ar.put(struct.pack("<f", factor)) if factor_dev else -1
         found_o = ar.put(b"\0" * 4) if found else -1
         flags_o = ar.put(b"\xff" * n) if flags else -1
-        job = (f"cast {int(stochastic)} {seed} {offset} {float(factor).hex()} {fo} {found_o} {flags_o} {grid_cap} "
-               f"{n}\n")
+        rng_o = ar.put(struct.pack("<QQ", seed, offset)) if rng_dev else -1
+        if rng_dev:
+            seed, offset = (seed + 1) % 2**64, (offset + 12345) % 2**64
+        job = (f"cast {int(stochastic)} {seed} {offset} {rng_o} {float(factor).hex()} {fo} {found_o} {flags_o} "
+               f"{grid_cap} {n}\n")
         job += "".join(f"{DT_CODE[d.dtype]} {DT_CODE[s.dtype]} {s.numel()} {o2} {o1}\n"
                        for s, d, o1, o2 in zip(srcs, dsts, so, do))
         buf = self.run(job, ar)
@@ -649,9 +654,12 @@ def test_emulated_cast_matches_cpu(emulator, src, dst, rng):
 def test_emulated_stochastic_rounding_matches_cpu(emulator, src, rng):
     sizes = _emu_sizes(emulator.block, big=False) + [2 * CHUNK + 5]
     srcs = [special_values(src, n, rng) for n in sizes]
-    for seed, offset, cap in ((0, 0, 0), (123, 9, 2), (2**64 - 1, 2**63 + 5, 0)):
+    for seed, offset, cap, rng_dev in ((0, 0, 0, False), (123, 9, 2, False), (2**64 - 1, 2**63 + 5, 0, False),
+                                       (123, 9, 2, True), (2**64 - 1, 2**63 + 5, 0, True)):
+        # rng_dev: the kernel reads seed and offset from device memory (MasterWeights on CUDA,
+        # so that a CUDA graph's replays take the offset the tensor holds then).
         got = emulator.cast(srcs, [torch.bfloat16] * len(srcs), factor=0.5, stochastic=True, seed=seed, offset=offset,
-                            grid_cap=cap)
+                            rng_dev=rng_dev, grid_cap=cap)
         dc = [torch.empty(t.numel(), dtype=torch.bfloat16) for t in srcs]
         ops.cast_(srcs, dc, inv_scale=0.5, rounding="stochastic", seed=seed, offset=offset)
         for i, (a, b) in enumerate(zip(got["dsts"], dc)):
