@@ -41,12 +41,16 @@ def _host_copy(t):
     return t.to("cpu", non_blocking=True)
 
 
+def _device_of(t):
+    return t.device
+
+
 def _stream_devices(scale, sources):
     """The devices whose streams carry a _Pending's copies: the scale's, then each flag tensor's."""
-    devices = [scale.device]
+    devices = [_device_of(scale)]
     for _, fl in (pair for src in sources for pair in src):
-        if fl.device not in devices:
-            devices.append(fl.device)
+        if _device_of(fl) not in devices:
+            devices.append(_device_of(fl))
     return devices
 
 
