@@ -32,9 +32,10 @@ case "$job" in
   demo)  need=(matplotlib tqdm);              probe="import torch, matplotlib, tqdm, setuptools, wheel" ;;
   bench) need=(numpy);                        probe="import torch, numpy, setuptools, wheel" ;;
   # DeepSpeed is only for the tests of Policy.deepspeed_config and prepare(); DS_BUILD_OPS=0
-  # builds none of its ops.
-  test)  need=("pytest>=7" "hypothesis>=6" numpy matplotlib tqdm deepspeed)
-         probe="import torch, pytest, hypothesis, numpy, matplotlib, tqdm, deepspeed, setuptools, wheel" ;;
+  # builds none of its ops. nvidia-cuda-nvcc-cu12 brings the CUDA 12 ptxas that builds the
+  # kernels for every R525+ driver (setup.py's top says how; ~40 MB, no GPU needed).
+  test)  need=("pytest>=7" "hypothesis>=6" numpy matplotlib tqdm deepspeed "nvidia-cuda-nvcc-cu12==12.9.*")
+         probe="import torch, pytest, hypothesis, numpy, matplotlib, tqdm, deepspeed, setuptools, wheel, nvidia.cuda_nvcc" ;;
 esac
 if ! "$V/python" -c "$probe" 2>/dev/null; then
   pip_q --upgrade pip
