@@ -218,20 +218,21 @@ def _inputs(n, width=64):
     return xs
 
 
-@gpu
-def test_cuda_whole_scaler_step_replays_with_the_eager_bits():
-    xs = _inputs(9)
-    # Eager reference.
-    me, oe, se = _cuda_setup(0)
+def captured_vs_eager(steps=9, width=64):
+    """The scaler step (clip, fused AdamW with capturable=True, update) run eagerly `steps`
+    times, and the same run with steps 2.. replayed from one captured step (two eager warm-up
+    steps on a side stream first: kernels loaded, optimizer state made). Returns the eager and
+    the graph run's (model, scaler). Shared with benchmarks/gpu_check.py."""
+    xs = _inputs(steps, width)
+    me, oe, se = _cuda_setup(0, width=width)
     for x in xs:
         oe.zero_grad(set_to_none=False)
         _train_step(me, oe, se, x)
-    # The same, steps 2.. replayed from one captured step.
-    mg, og, sg = _cuda_setup(0)
+    mg, og, sg = _cuda_setup(0, width=width)
     static_x = xs[0].clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # eager warm-up: kernels loaded, optimizer state made
+    with torch.cuda.stream(side):
         for x in xs[:2]:
             og.zero_grad(set_to_none=False)
             _train_step(mg, og, sg, x)
@@ -245,6 +246,12 @@ def test_cuda_whole_scaler_step_replays_with_the_eager_bits():
         og.zero_grad(set_to_none=False)
         graph.replay()
     torch.cuda.synchronize()
+    return (me, se), (mg, sg)
+
+
+@gpu
+def test_cuda_whole_scaler_step_replays_with_the_eager_bits():
+    (me, se), (mg, sg) = captured_vs_eager()
     for a, b in zip(mg.parameters(), me.parameters()):
         assert torch.equal(a, b)
     assert sg.get_scale() == se.get_scale()
