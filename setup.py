@@ -150,12 +150,18 @@ def nvcc_flags():
     return ["-std=c++17", "-O3", "-I" + CSRC] + shlex.split(os.environ.get("AMPX_NVCC_FLAGS", ""))
 
 
-def nvcc_command(nvcc, out):
+def archs_for(release):
+    """The SASS targets a CUDA release can build: Blackwell (100, 120) needs 12.8 (before, the
+    compute_80 PTX serves those GPUs through the driver's JIT)."""
+    return [a for a in CUDA_ARCHS if release >= (12, 8) or int(a) < 100]
+
+
+def nvcc_command(nvcc, out, archs):
     """nvcc doing it all: SASS for each arch, PTX for the first."""
     cmd = [nvcc] + nvcc_flags() + ["--fatbin", "--threads", "0"]
-    first = CUDA_ARCHS[0]
+    first = archs[0]
     cmd += ["-gencode", f"arch=compute_{first},code=[sm_{first},compute_{first}]"]
-    for a in CUDA_ARCHS[1:]:
+    for a in archs[1:]:
         cmd += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
     return cmd + ["-o", out, CUDA_SOURCE]
 
@@ -201,12 +207,12 @@ def build_with_ptxas12(nvcc, ptxas, release, out, tmpdir):
     run_logged(cmd)
 
 
-def build_info(release, ptx_release):
+def build_info(release, ptx_release, archs):
     """What ampx/_kernels.json records: the CUDA releases that made the SASS and the PTX (as
     cuDriverGetVersion numbers, 1000*major + 10*minor) and the targets."""
     return {"sass_toolkit": release[0] * 1000 + release[1] * 10,
             "ptx_toolkit": ptx_release[0] * 1000 + ptx_release[1] * 10,
-            "sass": [int(a) for a in CUDA_ARCHS], "ptx": [int(CUDA_ARCHS[0])]}
+            "sass": [int(a) for a in archs], "ptx": [int(archs[0])]}
 
 
 def up_to_date(target, sources):
@@ -268,19 +274,21 @@ class BuildExt(build_ext):
         nvcc_release = tool_release(nvcc)
         if nvcc_release is None:
             raise RuntimeError(f"{nvcc} --version names no CUDA release")
-        ptxas = find_ptxas12() if nvcc_release[0] != 12 else None
+        # A CUDA 12.8+ nvcc does it all; any other takes a CUDA 12.8+ ptxas when there is one.
+        ptxas = find_ptxas12() if not (12, 8) <= nvcc_release < (13, 0) else None
         ptxas_release = tool_release(ptxas) if ptxas else None
-        if ptxas_release is not None and ptxas_release[0] == 12 and ptxas_release >= (12, 8):
+        if ptxas_release is not None and (12, 8) <= ptxas_release < (13, 0):
             with tempfile.TemporaryDirectory(dir=scratch_dir("cuda")) as work:
                 build_with_ptxas12(nvcc, ptxas, ptxas_release, tmp, work)
-            return build_info(ptxas_release, ptxas_release)
+            return build_info(ptxas_release, ptxas_release, CUDA_ARCHS)
         if ptxas is not None:
             print(f"ampx: WARNING: {ptxas} is not a CUDA 12.8+ ptxas; nvcc builds everything", file=sys.stderr)
         elif nvcc_release[0] > 12:
             print(f"ampx: note: CUDA {nvcc_release[0]}.{nvcc_release[1]} kernels need a driver of that "
                   "release; pip install nvidia-cuda-nvcc-cu12 builds kernels for every R525+ driver")
-        run_logged(nvcc_command(nvcc, tmp))
-        return build_info(nvcc_release, nvcc_release)
+        archs = archs_for(nvcc_release)
+        run_logged(nvcc_command(nvcc, tmp, archs))
+        return build_info(nvcc_release, nvcc_release, archs)
 
     def build_fatbin(self):
         want, required, nvcc = cuda_wanted()
@@ -307,15 +315,14 @@ class BuildExt(build_ext):
         except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-            if os.path.exists(info_path):
-                os.unlink(info_path)
             if required:
                 sys.exit(f"ampx: building the CUDA kernels failed ({e}); AMPX_CUDA=0 builds without them")
             # Found but broken (a toolkit too new for the host compiler, a half-installed CUDA):
             # a CPU user must still get a working package. A fatbin left from an older build no
             # longer matches the sources (that is why nvcc ran), so it goes too.
-            if os.path.exists(out):
-                os.unlink(out)
+            for stale in (out, info_path):
+                if os.path.exists(stale):
+                    os.unlink(stale)
             print(f"ampx: WARNING: nvcc ({nvcc}) failed ({e}); building the CPU-only package. "
                   "ampx.cuda.is_available() will say why; set AMPX_CUDA=1 to make this an error",
                   file=sys.stderr)

@@ -32,7 +32,6 @@ typedef struct {
     ampx_cu_result (*DeviceGetAttribute)(int *, int, ampx_cu_device);
     ampx_cu_result (*DevicePrimaryCtxRetain)(ampx_cu_context *, ampx_cu_device);
     ampx_cu_result (*DevicePrimaryCtxRelease)(ampx_cu_device);
-    ampx_cu_result (*DevicePrimaryCtxGetState)(ampx_cu_device, unsigned int *, int *);
     ampx_cu_result (*CtxPushCurrent)(ampx_cu_context);
     ampx_cu_result (*CtxPopCurrent)(ampx_cu_context *);
     ampx_cu_result (*ModuleLoadData)(ampx_cu_module *, const void *);
@@ -58,7 +57,6 @@ typedef struct {
     X(DeviceGetAttribute, "cuDeviceGetAttribute")                                                          \
     X(DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain")                                                  \
     X(DevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2")                                             \
-    X(DevicePrimaryCtxGetState, "cuDevicePrimaryCtxGetState")                                              \
     X(CtxPushCurrent, "cuCtxPushCurrent_v2")                                                               \
     X(CtxPopCurrent, "cuCtxPopCurrent_v2")                                                                 \
     X(ModuleLoadData, "cuModuleLoadData")                                                                  \

@@ -129,13 +129,6 @@ CUresult cuDevicePrimaryCtxRelease_v2(int dev)
     return 0;
 }
 
-CUresult cuDevicePrimaryCtxGetState(int dev, unsigned *flags, int *active)
-{
-    (void)dev;
-    *flags = 0;
-    *active = 0;
-    return 0;
-}
 
 CUresult cuCtxPushCurrent_v2(void *ctx)
 {
