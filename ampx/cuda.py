@@ -86,8 +86,13 @@ def _load_image():
             if not _built():
                 return False
             info = build_info()
+            targets = ""
+            if info.get("sass") and info.get("ptx"):
+                targets = (f"SASS for {', '.join(f'sm_{a}' for a in info['sass'])} and PTX for "
+                           f"{', '.join(f'compute_{a}' for a in info['ptx'])}")
             with open(_FATBIN, "rb") as f:
-                _C.cuda_set_image((f.read(), int(info.get("sass_toolkit", 0)), int(info.get("ptx_toolkit", 0))))
+                _C.cuda_set_image((f.read(), int(info.get("sass_toolkit", 0)), int(info.get("ptx_toolkit", 0)),
+                                   targets))
             _image_loaded = True
     return True
 

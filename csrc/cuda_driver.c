@@ -83,6 +83,7 @@ static int forked_after_init;     /* this process is a fork of one whose driver 
 static unsigned char *image;      /* the fatbin */
 static size_t image_size;
 static int image_sass_toolkit, image_ptx_toolkit; /* CUDA releases that built it (12090), or 0 */
+static char image_targets[160];   /* "sm_80, sm_86, ...; PTX compute_80", or "" when unknown */
 
 /* ---- errors ---------------------------------------------------------------- */
 
@@ -156,18 +157,23 @@ static void describe_release(char *out, size_t size, int version, int branch)
         snprintf(out, size, "CUDA %d.%d", version / 1000, version % 1000 / 10);
 }
 
-/* What a failed module load means, given the fatbin's toolkit and this driver. */
-static void explain_load_failure(ampx_cu_error *err, int ordinal, int major, int minor)
+/* What a failed module load means, given the fatbin's contents and toolkit and this driver:
+ * for the errors a missing target or an old driver causes. */
+static void explain_load_failure(ampx_cu_error *err, ampx_cu_result rc, int ordinal, int major, int minor)
 {
+    if (rc != 200 && rc != AMPX_CUDA_ERROR_NO_BINARY_FOR_GPU && rc != 218 && rc != 222)
+        return;
     char need[96], have[96];
     describe_release(have, sizeof have, driver_version, 0);
+    append(err, ". Device %d has compute capability %d.%d", ordinal, major, minor);
+    if (image_targets[0] != '\0')
+        append(err, "; ampx's fatbin holds %s", image_targets);
     if (image_ptx_toolkit > 0) {
         describe_release(need, sizeof need, image_ptx_toolkit, 1);
-        append(err, ". Device %d has compute capability %d.%d; ampx's fatbin holds SASS for sm_80 to sm_120 "
-               "(any 8.x to 12.x GPU; from CUDA %d.%d) and PTX for compute_80 (any newer GPU, compiled by "
-               "a driver for %s); this driver is for %s", ordinal, major, minor, image_sass_toolkit / 1000,
-               image_sass_toolkit % 1000 / 10, need, have);
+        append(err, " (SASS runs on its own and later minor versions of a compute capability; the PTX, "
+               "for any other GPU, needs a driver for %s)", need);
     }
+    append(err, "; this driver is for %s", have);
 }
 
 #define CU_TRY(call, what)                                                                                 \
@@ -181,12 +187,13 @@ static void explain_load_failure(ampx_cu_error *err, int ordinal, int major, int
 
 /* ---- the image --------------------------------------------------------------- */
 
-int ampx_cu_set_image(const void *data, size_t size, int sass_toolkit, int ptx_toolkit)
+int ampx_cu_set_image(const void *data, size_t size, int sass_toolkit, int ptx_toolkit, const char *targets)
 {
     if (image != NULL)
         return 0; /* the first image stays: modules may already hold it */
     image_sass_toolkit = sass_toolkit;
     image_ptx_toolkit = ptx_toolkit;
+    snprintf(image_targets, sizeof image_targets, "%s", targets != NULL ? targets : "");
     unsigned char *copy = (unsigned char *)malloc(size > 0 ? size : 1u);
     if (copy == NULL)
         return -1;
@@ -415,7 +422,7 @@ static int load_device(ampx_cu_dev *d, int ordinal, ampx_cu_error *err)
         ampx_cu_result rc = api.ModuleLoadData(&d->mod, image);
         if (rc != AMPX_CUDA_SUCCESS) {
             set_cu(err, rc, "cuModuleLoadData(ampx/_kernels.fatbin)");
-            explain_load_failure(err, ordinal, d->cc_major, d->cc_minor);
+            explain_load_failure(err, rc, ordinal, d->cc_major, d->cc_minor);
             goto fail;
         }
     }

@@ -123,9 +123,10 @@ typedef struct {
 } ampx_cu_dev;
 
 /* Hands the fatbin image to the layer (copied), with the CUDA releases that built its SASS
- * and its PTX (cuDriverGetVersion numbers such as 12090; 0 when unknown), used to say which
- * driver is needed. Returns 0, or -1 out of memory. */
-int ampx_cu_set_image(const void *data, size_t size, int sass_toolkit, int ptx_toolkit);
+ * and its PTX (cuDriverGetVersion numbers such as 12090; 0 when unknown) and its targets in
+ * words (copied; "" when unknown), used to say which driver is needed. Returns 0, or -1 out
+ * of memory. */
+int ampx_cu_set_image(const void *data, size_t size, int sass_toolkit, int ptx_toolkit, const char *targets);
 int ampx_cu_have_image(void);
 
 /* Loads the driver library (libcuda.so.1, or $AMPX_LIBCUDA: a test's stand-in) and runs

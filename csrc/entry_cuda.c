@@ -259,15 +259,16 @@ int cuda_update_scale(const entry_update *u)
 
 /* ---- the fatbin and the devices ---------------------------------------------- */
 
-/* cuda_set_image((fatbin: bytes, sass_toolkit: int, ptx_toolkit: int)): the fatbin and the
- * CUDA releases that built it (from ampx/_kernels.json, 0 when unknown), read by ampx.cuda;
- * the first one stays. */
+/* cuda_set_image((fatbin: bytes, sass_toolkit: int, ptx_toolkit: int, targets: str)): the
+ * fatbin, the CUDA releases that built it and its targets in words (from ampx/_kernels.json;
+ * 0 and "" when unknown), read by ampx.cuda; the first one stays. */
 PyObject *py_cuda_set_image(PyObject *module, PyObject *arg)
 {
     (void)module;
     PyObject *fatbin = NULL;
     int sass = 0, ptx = 0;
-    if (!PyArg_ParseTuple(arg, "Sii:cuda_set_image", &fatbin, &sass, &ptx))
+    const char *targets = "";
+    if (!PyArg_ParseTuple(arg, "Sii|s:cuda_set_image", &fatbin, &sass, &ptx, &targets))
         return NULL;
     char *data = NULL;
     Py_ssize_t size = 0;
@@ -277,7 +278,7 @@ PyObject *py_cuda_set_image(PyObject *module, PyObject *arg)
         PyErr_SetString(PyExc_ValueError, "cuda_set_image: the fatbin is empty");
         return NULL;
     }
-    if (ampx_cu_set_image(data, (size_t)size, sass, ptx) < 0)
+    if (ampx_cu_set_image(data, (size_t)size, sass, ptx, targets) < 0)
         return PyErr_NoMemory();
     Py_RETURN_NONE;
 }

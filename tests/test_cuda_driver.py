@@ -43,7 +43,7 @@ _PRELUDE = """
 import ctypes, json, os, sys, threading, time
 import ampx, ampx.cuda
 from ampx import _C
-_C.cuda_set_image((b"fatbin stand-in", SASS_TOOLKIT, PTX_TOOLKIT))
+_C.cuda_set_image((b"fatbin stand-in", SASS_TOOLKIT, PTX_TOOLKIT, "SASS for sm_80, sm_90 and PTX for compute_80"))
 ampx.cuda._image_loaded = True
 ampx.cuda._built = lambda: True
 fake = ctypes.CDLL(os.environ["AMPX_LIBCUDA"])
@@ -126,10 +126,11 @@ def test_every_fixable_load_error_says_how_to_fix_it(fake_driver):
     """, FAKE_CU_DRIVER=12040)
     for rc in ("2", "200", "209", "218", "221", "222", "500", "900"):
         assert f"error {rc}" in out[rc] and "To fix:" in out[rc], (rc, out[rc])
-    for rc in ("200", "209", "218", "222"):  # the ones a driver update can fix name both releases
+    for rc in ("200", "209", "218", "222"):  # a missing target or an old driver: the whole story
         assert "CUDA 12.9 (R575 or newer)" in out[rc] and "this driver is for CUDA 12.4" in out[rc], out[rc]
+        assert "Device 0 has compute capability 9.0; ampx's fatbin holds SASS for sm_80, sm_90" in out[rc]
     assert "update the NVIDIA driver" in out["222"]
-    assert "empty_cache" in out["2"]
+    assert "empty_cache" in out["2"] and "compute capability" not in out["2"]
     assert out["recovered"] is True  # failures are not cached
 
 
