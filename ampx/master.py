@@ -210,7 +210,7 @@ class MasterWeights(torch.optim.Optimizer):
         """Masters -> model parameters. Stochastic rounding on CUDA takes its seed and offset
         from a device tensor and, with ``advance``, moves the offset on there, so a step
         captured in a CUDA graph draws new bits at every replay."""
-        if rounding != "stochastic" or not self._model_params or not self._model_params[0].is_cuda:
+        if rounding != "stochastic" or not self._rng_on_device():
             ops.cast_(self._masters, self._model_params, rounding=rounding, seed=self.seed, offset=offset % 2**64)
             return
         rng = self._device_rng(offset % 2**64, self._model_params[0].device)
@@ -218,6 +218,10 @@ class MasterWeights(torch.optim.Optimizer):
         if advance:
             rng[1:].add_(1)  # int64 wraps as the uint64 offset does
             self._rng_key = (self.seed, (offset + 1) % 2**64, rng.device)
+
+    def _rng_on_device(self):
+        """Whether stochastic rounding's key lives in a device tensor (CUDA parameters)."""
+        return bool(self._model_params) and self._model_params[0].is_cuda
 
     def _device_rng(self, offset, device):
         """The [seed, offset] tensor on `device`, (re)written from the host only when eager

@@ -8,12 +8,14 @@ Everywhere (no GPU needed):
     work (no event, no pinned copy, no telemetry), and what cannot be captured raises a
     RuntimeError with the fix before changing anything: ``step()`` of a non-fused optimizer,
     ``on_min_scale="raise"``;
-  * ``ops.cast_(rng=...)``: seed and offset from a tensor give the bits of the same integers.
+  * ``ops.cast_(rng=...)``: seed and offset from a tensor give the bits of the same integers;
+    MasterWeights with its key in a tensor (as on CUDA, forced here) gives the host key's bits,
+    continues from the tensor's count after (simulated) replays, and checkpoints that count.
 On a CUDA machine (skipped elsewhere): the whole step (clip_grad_norm_, fused AdamW with
 capturable=True, update) captured and replayed gives the eager step's bits; MasterWeights'
 stochastic rounding draws new bits at every replay, the eager run's; with gradients on two
 GPUs the overflow report names the parameter on the second one.
-Cost on the CPU: under a second.
+Cost on the CPU: about 3 s.
 """
 import math
 
@@ -313,3 +315,47 @@ def test_cuda_overflow_report_names_a_parameter_on_the_second_gpu():
     scaler.update()
     report = scaler.overflow_report()
     assert report is not None and len(report.inf) + len(report.nan) == 1, report
+
+
+# ---- MasterWeights' device-side key, its bookkeeping checked on the CPU -------------------------
+
+
+def _master_run(monkeypatch, on_device, steps, seed=7):
+    """A bfloat16 model under MasterWeights with stochastic rounding; the key in a tensor (as on
+    CUDA) when on_device. Returns (model, optimizer) after `steps` steps."""
+    monkeypatch.setattr(ampx.MasterWeights, "_rng_on_device", lambda self: on_device)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64).to(torch.bfloat16)
+    opt = ampx.MasterWeights(torch.optim.SGD(model.parameters(), lr=0.01), model=model, rounding="stochastic",
+                             seed=seed)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x).float().square().mean().backward()
+        opt.step()
+    return model, opt, x
+
+
+def test_master_weights_device_key_gives_the_host_keys_bits(monkeypatch):
+    a, _, _ = _master_run(monkeypatch, False, 4)
+    b, ob, _ = _master_run(monkeypatch, True, 4)
+    assert torch.equal(a.weight.view(torch.int16), b.weight.view(torch.int16))
+    assert ob._rng.tolist() == [7, 4] and ob.state_dict()["ampx_master_weights"]["steps"] == 4
+
+
+def test_master_weights_device_key_outruns_the_host_after_replays(monkeypatch):
+    # Replays of a captured step advance the device's offset without the host knowing: the next
+    # eager step continues from the device's count, and a checkpoint records it.
+    model, opt, x = _master_run(monkeypatch, True, 2)
+    opt._rng[1:].add_(3)  # three replays
+    opt.zero_grad()
+    model(x).float().square().mean().backward()
+    opt.step()
+    assert opt._rng.tolist() == [7, 6]
+    assert opt.state_dict()["ampx_master_weights"]["steps"] == 6
+    # A loaded checkpoint resets the device key from the host: its last write-back, then on.
+    sd = opt.state_dict()
+    model2, opt2, _ = _master_run(monkeypatch, True, 0)
+    opt2.load_state_dict(sd)
+    assert torch.equal(model2.weight.view(torch.int16), model.weight.view(torch.int16))
+    assert opt2.state_dict()["ampx_master_weights"]["steps"] == 6
