@@ -37,6 +37,13 @@ typedef uint64_t ampx_cu_deviceptr;             /* CUdeviceptr (same size and pa
 #define AMPX_CUDA_ERROR_NO_BINARY_FOR_GPU 209
 #define AMPX_CU_STREAM_NON_BLOCKING 1
 
+/* A kernel fault (often not ampx's: a torch index out of range, a freed tensor) poisons the
+ * context, and the next driver call of anyone reports it. */
+#define AMPX_CU_STICKY_FIX                                                                                 \
+    "a kernel faulted on this device (an earlier one, possibly not ampx's: errors are reported by "       \
+    "the next CUDA call) and the CUDA context cannot be used any more: restart the process, and rerun "   \
+    "with CUDA_LAUNCH_BLOCKING=1 to see which kernel it was"
+
 /* The driver errors a user can cause or fix, each with what to do about it (code, cuda.h
  * name, fix). The kernel build asserts every code against cuda.h. Errors that need more
  * context (the fatbin's toolkit against the driver's, a fork) get more in cuda_driver.c. */
@@ -72,6 +79,9 @@ typedef uint64_t ampx_cu_deviceptr;             /* CUdeviceptr (same size and pa
       "ampx's PTX is newer than this driver: update the NVIDIA driver")                                  \
     X(500, CUDA_ERROR_NOT_FOUND,                                                                           \
       "a kernel is missing from ampx/_kernels.fatbin, which comes from another ampx build: reinstall ampx") \
+    X(700, CUDA_ERROR_ILLEGAL_ADDRESS, AMPX_CU_STICKY_FIX)                                                 \
+    X(710, CUDA_ERROR_ASSERT, AMPX_CU_STICKY_FIX)                                                          \
+    X(719, CUDA_ERROR_LAUNCH_FAILED, AMPX_CU_STICKY_FIX)                                                   \
     X(803, CUDA_ERROR_SYSTEM_DRIVER_MISMATCH,                                                              \
       "libcuda.so.1 and the loaded kernel module are different driver versions (updated without a "       \
       "reboot, or a forward-compatibility package): reboot, or load the libcuda.so.1 that matches")        \

@@ -75,6 +75,7 @@ def test_available_only_after_a_launch_on_that_device(fake_driver):
     """, FAKE_CU_DEVICES=2, FAKE_CU_LAUNCH_RC="0,719")
     # Device 1 loads but its launch fails: not available, with the launch named.
     assert "ampx_k_probe" in out["reason1"] and "719" in out["reason1"], out
+    assert "restart the process" in out["reason1"] and "CUDA_LAUNCH_BLOCKING=1" in out["reason1"], out
     assert out["ok0"] is True and out["ok0_again"] is True
     # One load per device; the probe kernel ran on each once; a success is not probed again.
     assert out["after0"]["load"] == 2 and out["after0"]["launch"] == 2, out
