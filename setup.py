@@ -8,10 +8,18 @@ SIMD: the kernel body is compiled once per instruction-set level, each file
 with its own -m flags, and ampx picks the level at run time. The rest of the
 code gets the toolchain's default target (never -march=native).
 
-CUDA: when nvcc is found ($CUDA_HOME/bin/nvcc, /usr/local/cuda/bin/nvcc, then
-PATH), cuda/ampx_kernels.cu is compiled into ampx/_kernels.fatbin (SASS for
-sm_80, sm_86, sm_89, sm_90 and PTX for compute_90), shipped inside the
-package. The C extension never links against CUDA: it opens libcuda.so.1 at
+CUDA: when nvcc is found ($AMPX_NVCC, $CUDA_HOME/bin/nvcc, /usr/local/cuda/bin/nvcc,
+then PATH), cuda/ampx_kernels.cu is compiled into ampx/_kernels.fatbin (SASS for
+sm_80, 86, 89, 90, 100 and 120, PTX for compute_80), shipped inside the package
+with ampx/_kernels.json (the toolkit that built it, so ampx can say which driver
+it needs). The CUDA release decides the drivers served: SASS from CUDA 12.x loads
+on every R525+ driver, from CUDA 13 only on R580+. So a CUDA 12 ptxas is
+preferred: $AMPX_PTXAS, else the one of the nvidia-cuda-nvcc-cu12 package (pip
+install nvidia-cuda-nvcc-cu12; it ships ptxas but no nvcc). With it, nvcc (any
+release) writes PTX for compute_80, that PTX is stamped with the ISA version the
+CUDA 12 ptxas accepts (a PTX instruction that release lacks then fails the build,
+never the run), ptxas compiles each SASS target and fatbinary packs the lot.
+Without it nvcc builds everything itself (a CUDA 13 nvcc: R580+ drivers only). The C extension never links against CUDA: it opens libcuda.so.1 at
 run time and loads the fatbin through the driver API, so the same build
 imports everywhere. Neither step needs torch or a GPU.
 
@@ -25,9 +33,14 @@ Hygiene: every build compiles every object afresh (--force), in a scratch direct
 source tree that is removed afterwards, so no build reuses an object made with other flags (a
 sanitizer build, another SIMD flag set) and none leaves build/ or ampx.egg-info behind.
   AMPX_NVCC_FLAGS    extra nvcc flags (e.g. -allow-unsupported-compiler)
+  AMPX_NVCC          the nvcc to use (before $CUDA_HOME and the rest)
+  AMPX_PTXAS         a CUDA 12 ptxas for the SASS (before the nvidia-cuda-nvcc-cu12 package's);
+                     AMPX_PTXAS=0 makes nvcc build everything itself
 """
 import atexit
+import json
 import os
+import re
 import platform
 import shlex
 import shutil
@@ -54,8 +67,12 @@ COMMON_SOURCES = ["module.c", "tensor_meta.c", "tensor_list.c", "overlap.c", "en
 CUDA_SOURCE = os.path.join("cuda", "ampx_kernels.cu")
 CUDA_DEPENDS = [CUDA_SOURCE] + [os.path.join(CSRC, h) for h in ("ampx_numerics.h", "cuda_args.h", "cuda_driver.h")]
 FATBIN_NAME = "_kernels.fatbin"
-# SASS for each listed architecture, PTX for the last (the driver compiles it for newer GPUs).
-CUDA_ARCHS = ["80", "86", "89", "90"]
+BUILD_INFO_NAME = "_kernels.json"  # the toolkit that built the fatbin (read by ampx.cuda)
+# SASS for each architecture; PTX for the first, the oldest (the driver compiles it for GPUs
+# newer than every SASS target). Blackwell (100, 120) needs CUDA 12.8 or newer.
+CUDA_ARCHS = ["80", "86", "89", "90", "100", "120"]
+# The PTX ISA version each CUDA 12 release's ptxas accepts at most (PTX ISA release notes).
+PTX_ISA_OF_CUDA12 = {0: "8.0", 1: "8.1", 2: "8.2", 3: "8.3", 4: "8.4", 5: "8.5", 6: "8.5", 8: "8.7", 9: "8.8"}
 
 
 def is_x86_64():
@@ -78,8 +95,8 @@ def c_flags():
 
 
 def find_nvcc():
-    """nvcc from $CUDA_HOME, /usr/local/cuda, then PATH; None if there is none."""
-    candidates = []
+    """nvcc from $AMPX_NVCC, $CUDA_HOME, /usr/local/cuda, then PATH; None if there is none."""
+    candidates = [os.environ["AMPX_NVCC"]] if os.environ.get("AMPX_NVCC") else []
     for var in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(var):
             candidates.append(os.path.join(os.environ[var], "bin", "nvcc"))
@@ -105,14 +122,97 @@ def cuda_wanted():
     return nvcc is not None, False, nvcc
 
 
-def nvcc_command(nvcc, out):
-    cmd = [nvcc, "-std=c++17", "-O3", "--fatbin", "-I" + CSRC, "--threads", "0"]
-    for a in CUDA_ARCHS[:-1]:
+def tool_release(tool):
+    """(major, minor) of a CUDA tool from its --version ("release 12.9"); None if it will not say."""
+    try:
+        out = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def find_ptxas12():
+    """A CUDA 12 ptxas able to target every arch: $AMPX_PTXAS, else nvidia-cuda-nvcc-cu12's."""
+    env = os.environ.get("AMPX_PTXAS", "").strip()
+    if env.lower() in ("0", "no", "off", "false"):
+        return None
+    if env:
+        return env
+    for base in sys.path:  # the pip package installs nvidia/cuda_nvcc/bin/ptxas
+        c = os.path.join(base or ".", "nvidia", "cuda_nvcc", "bin", "ptxas")
+        if os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+def nvcc_flags():
+    return ["-std=c++17", "-O3", "-I" + CSRC] + shlex.split(os.environ.get("AMPX_NVCC_FLAGS", ""))
+
+
+def archs_for(release):
+    """The SASS targets a CUDA release can build: Blackwell (100, 120) needs 12.8 (before, the
+    compute_80 PTX serves those GPUs through the driver's JIT)."""
+    return [a for a in CUDA_ARCHS if release >= (12, 8) or int(a) < 100]
+
+
+def nvcc_command(nvcc, out, archs):
+    """nvcc doing it all: SASS for each arch, PTX for the first."""
+    cmd = [nvcc] + nvcc_flags() + ["--fatbin", "--threads", "0"]
+    first = archs[0]
+    cmd += ["-gencode", f"arch=compute_{first},code=[sm_{first},compute_{first}]"]
+    for a in archs[1:]:
         cmd += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
-    last = CUDA_ARCHS[-1]
-    cmd += ["-gencode", f"arch=compute_{last},code=[sm_{last},compute_{last}]"]
-    cmd += shlex.split(os.environ.get("AMPX_NVCC_FLAGS", ""))
     return cmd + ["-o", out, CUDA_SOURCE]
+
+
+def run_logged(cmd):
+    print("ampx: " + " ".join(shlex.quote(c) for c in cmd))
+    subprocess.run(cmd, cwd=HERE, check=True)
+
+
+def build_with_ptxas12(nvcc, ptxas, release, out, tmpdir):
+    """The CUDA 12 route (see the top): nvcc's PTX for the oldest arch, restamped with the ISA
+    version `ptxas` (CUDA 12.`release[1]`) accepts, ptxas for each SASS target in parallel,
+    fatbinary to pack them. Raises CalledProcessError/RuntimeError on failure."""
+    isa = PTX_ISA_OF_CUDA12.get(release[1])
+    if isa is None:
+        raise RuntimeError(f"ptxas {ptxas} is CUDA {release[0]}.{release[1]}, whose PTX ISA version "
+                           "ampx does not know; set AMPX_PTXAS to a CUDA 12.8 or 12.9 ptxas")
+    first = CUDA_ARCHS[0]
+    ptx = os.path.join(tmpdir, f"ampx_kernels.compute_{first}.ptx")
+    run_logged([nvcc] + nvcc_flags() + ["-ptx", f"-arch=compute_{first}", "-o", ptx, CUDA_SOURCE])
+    with open(ptx) as f:
+        text = f.read()
+    text, n = re.subn(r"^\.version \d+\.\d+$", ".version " + isa, text, count=1, flags=re.M)
+    if n != 1:
+        raise RuntimeError(f"no .version line in {ptx}")
+    with open(ptx, "w") as f:
+        f.write(text)
+    cubins, procs = [], []
+    for a in CUDA_ARCHS:
+        cubin = os.path.join(tmpdir, f"ampx_kernels.sm_{a}.cubin")
+        cmd = [ptxas, f"-arch=sm_{a}", "-m64", "-O3", ptx, "-o", cubin]
+        print("ampx: " + " ".join(shlex.quote(c) for c in cmd))
+        procs.append((subprocess.Popen(cmd, cwd=HERE), cmd))
+        cubins.append((a, cubin))
+    for p, cmd in procs:
+        if p.wait() != 0:
+            raise subprocess.CalledProcessError(p.returncode, cmd)
+    fatbinary = os.path.join(os.path.dirname(nvcc), "fatbinary")
+    # Uncompressed: a compression scheme newer than the driver reads as an invalid image.
+    cmd = [fatbinary, f"--create={out}", "-64", "--compress=false"]
+    cmd += [f"--image3=kind=elf,sm={a},file={c}" for a, c in cubins]
+    cmd += [f"--image3=kind=ptx,sm={first},file={ptx}"]
+    run_logged(cmd)
+
+
+def build_info(release, ptx_release, archs):
+    """What ampx/_kernels.json records: the CUDA releases that made the SASS and the PTX (as
+    cuDriverGetVersion numbers, 1000*major + 10*minor) and the targets."""
+    return {"sass_toolkit": release[0] * 1000 + release[1] * 10,
+            "ptx_toolkit": ptx_release[0] * 1000 + ptx_release[1] * 10,
+            "sass": [int(a) for a in archs], "ptx": [int(archs[0])]}
 
 
 def up_to_date(target, sources):
@@ -166,6 +266,30 @@ class BuildExt(build_ext):
         # builds, build_lib (and so the wheel) otherwise.
         return os.path.join(os.path.dirname(self.get_ext_fullpath("ampx._C")), FATBIN_NAME)
 
+    def build_info_path(self):
+        return os.path.join(os.path.dirname(self.fatbin_path()), BUILD_INFO_NAME)
+
+    def compile_fatbin(self, nvcc, tmp):
+        """Writes the fatbin to tmp; returns its build_info."""
+        nvcc_release = tool_release(nvcc)
+        if nvcc_release is None:
+            raise RuntimeError(f"{nvcc} --version names no CUDA release")
+        # A CUDA 12.8+ nvcc does it all; any other takes a CUDA 12.8+ ptxas when there is one.
+        ptxas = find_ptxas12() if not (12, 8) <= nvcc_release < (13, 0) else None
+        ptxas_release = tool_release(ptxas) if ptxas else None
+        if ptxas_release is not None and (12, 8) <= ptxas_release < (13, 0):
+            with tempfile.TemporaryDirectory(dir=scratch_dir("cuda")) as work:
+                build_with_ptxas12(nvcc, ptxas, ptxas_release, tmp, work)
+            return build_info(ptxas_release, ptxas_release, CUDA_ARCHS)
+        if ptxas is not None:
+            print(f"ampx: WARNING: {ptxas} is not a CUDA 12.8+ ptxas; nvcc builds everything", file=sys.stderr)
+        elif nvcc_release[0] > 12:
+            print(f"ampx: note: CUDA {nvcc_release[0]}.{nvcc_release[1]} kernels need a driver of that "
+                  "release; pip install nvidia-cuda-nvcc-cu12 builds kernels for every R525+ driver")
+        archs = archs_for(nvcc_release)
+        run_logged(nvcc_command(nvcc, tmp, archs))
+        return build_info(nvcc_release, nvcc_release, archs)
+
     def build_fatbin(self):
         want, required, nvcc = cuda_wanted()
         if not want:
@@ -178,14 +302,16 @@ class BuildExt(build_ext):
             return
         fd, tmp = tempfile.mkstemp(suffix=".fatbin", dir=os.path.dirname(out))
         os.close(fd)
-        cmd = nvcc_command(nvcc, tmp)
-        print("ampx: " + " ".join(shlex.quote(c) for c in cmd))
+        info_path = self.build_info_path()
         try:
-            subprocess.run(cmd, cwd=HERE, check=True)
+            info = self.compile_fatbin(nvcc, tmp)
             if os.path.getsize(tmp) == 0:
                 raise RuntimeError("nvcc wrote an empty fatbin")
             os.chmod(tmp, 0o644)
+            with open(info_path, "w") as f:
+                json.dump(info, f)
             os.replace(tmp, out)
+            print(f"ampx: CUDA kernels built: {info}")
         except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -194,17 +320,18 @@ class BuildExt(build_ext):
             # Found but broken (a toolkit too new for the host compiler, a half-installed CUDA):
             # a CPU user must still get a working package. A fatbin left from an older build no
             # longer matches the sources (that is why nvcc ran), so it goes too.
-            if os.path.exists(out):
-                os.unlink(out)
+            for stale in (out, info_path):
+                if os.path.exists(stale):
+                    os.unlink(stale)
             print(f"ampx: WARNING: nvcc ({nvcc}) failed ({e}); building the CPU-only package. "
                   "ampx.cuda.is_available() will say why; set AMPX_CUDA=1 to make this an error",
                   file=sys.stderr)
 
     def get_outputs(self):
         outputs = super().get_outputs()
-        out = self.fatbin_path()
-        if os.path.isfile(out):
-            outputs.append(out)
+        for out in (self.fatbin_path(), self.build_info_path()):
+            if os.path.isfile(out):
+                outputs.append(out)
         return outputs
 
     def build_extension(self, ext):

@@ -1,17 +1,33 @@
 """ampx.cuda: whether ampx's CUDA kernels can be used, and the plumbing of the CUDA path.
 
-The kernels are compiled at build time by nvcc into ``ampx/_kernels.fatbin`` (SASS for sm_80,
-sm_86, sm_89 and sm_90, PTX for compute_90) and loaded at run time through the CUDA driver API:
-ampx opens ``libcuda.so.1`` on first use and never links against CUDA, so the same build imports
-and runs on the CPU on machines without a GPU or driver. ``ampx.ops`` takes the CUDA path when
-the first tensor of a call is a CUDA tensor: the kernels run on that tensor's device (whatever
-the current device is), on torch's current stream of that device, with no host synchronisation
-(a whole scaler step can be captured into a CUDA graph).
+The kernels are compiled at build time into ``ampx/_kernels.fatbin`` (SASS for sm_80, 86, 89,
+90, 100 and 120, PTX for compute_80) and loaded at run time through the CUDA driver API: ampx
+opens ``libcuda.so.1`` on first use and never links against CUDA, so the same build imports and
+runs on the CPU on machines without a GPU or driver. ``ampx/_kernels.json`` records the CUDA
+release that built the fatbin: built by CUDA 12 (the default when the ``nvidia-cuda-nvcc-cu12``
+package is installed), the kernels run on every R525-or-newer driver; built by CUDA 13, only on
+R580 or newer. ``unavailable_reason()`` says which driver is needed when this one is too old.
+
+``ampx.ops`` takes the CUDA path when the first tensor of a call is a CUDA tensor: the kernels
+run on that tensor's device (whatever the current device is), on torch's current stream of that
+device, with no host synchronisation. Each device's kernels load once, on first use, without
+the GIL. A forked child forgets the parent's driver state and starts afresh (CUDA itself does
+not survive ``fork()``: use the 'spawn' start method).
+
+CUDA graphs: a scaler step made of ``clip_grad_norm_``, ``step()`` of a fused optimizer built
+with ``capturable=True``, and ``update()`` captures and replays; stochastic rounding in
+``MasterWeights`` takes its seed and offset from a device tensor that advances at every replay.
+Inside a capture ``update()`` does no host work (no event query, no pinned copy), so the
+telemetry of replayed steps (``stats()``, overflow reports, ``on_overflow``) is not collected;
+and ``step()`` of a non-fused optimizer (which must read ``found_inf`` on the host to decide
+whether to step, as torch's does) and ``on_min_scale="raise"`` raise a RuntimeError during
+capture. Run one eager step before capturing, so that ampx loads its kernels outside it.
 
 Use ``is_available()`` to ask whether ampx can run on CUDA here and ``unavailable_reason()`` to
 learn why not.
 """
 import functools
+import json
 import os
 import threading
 
@@ -19,9 +35,10 @@ import torch
 
 from . import _C
 
-__all__ = ["is_available", "unavailable_reason", "fatbin_path", "device_info"]
+__all__ = ["is_available", "unavailable_reason", "fatbin_path", "device_info", "build_info"]
 
 _FATBIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_kernels.fatbin")
+_BUILD_INFO = os.path.join(os.path.dirname(_FATBIN), "_kernels.json")  # written by setup.py
 _NOT_BUILT = ("ampx was built without its CUDA kernels (nvcc was not found when it was built, or "
               "AMPX_CUDA=0 was set); reinstall ampx where nvcc is available (AMPX_CUDA=1 makes a "
               "missing nvcc a build error)")
@@ -48,6 +65,17 @@ def _built():
         return False
 
 
+def build_info():
+    """What built the fatbin: ``{"sass_toolkit": 12090, "ptx_toolkit": 12090, "sass": [80, ...],
+    "ptx": [80]}`` (CUDA releases as ``cuDriverGetVersion`` numbers), or {} when unknown."""
+    try:
+        with open(_BUILD_INFO) as f:
+            info = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
 def _load_image():
     """Hands the fatbin to the C layer once; False when ampx was built without it."""
     global _image_loaded
@@ -57,8 +85,14 @@ def _load_image():
         if not _image_loaded:
             if not _built():
                 return False
+            info = build_info()
+            targets = ""
+            if info.get("sass") and info.get("ptx"):
+                targets = (f"SASS for {', '.join(f'sm_{a}' for a in info['sass'])} and PTX for "
+                           f"{', '.join(f'compute_{a}' for a in info['ptx'])}")
             with open(_FATBIN, "rb") as f:
-                _C.cuda_set_image(f.read())
+                _C.cuda_set_image((f.read(), int(info.get("sass_toolkit", 0)), int(info.get("ptx_toolkit", 0)),
+                                   targets))
             _image_loaded = True
     return True
 
@@ -77,13 +111,15 @@ def _index(device):
 
 
 def unavailable_reason(device=None):
-    """None when ampx's CUDA kernels can run on ``device``, else a sentence saying why not.
+    """None when ampx's CUDA kernels run on ``device``, else a sentence saying why not and
+    what to do.
 
     ``device``: an index, ``"cuda:N"`` or a ``torch.device``; by default torch's current CUDA
-    device (0 when torch has not initialised CUDA). The check loads the driver and reads the
-    device's compute capability (8.0 or newer is needed); it creates no CUDA context. When
-    torch has already made the device's context, the kernels are also loaded into it, so a
-    driver too old for them is reported here rather than at the first call.
+    device (0 when torch has not initialised CUDA). The check loads the driver, compares its
+    release with the one that built the kernels, loads the kernels into the device's primary
+    context (creating it, as torch's first use of the device does) and launches an empty
+    kernel there and waits for it: None means ampx's code has run on that device. A success
+    is remembered per device; a failure is checked again at the next call.
     """
     if not _built():
         return _NOT_BUILT
@@ -97,12 +133,14 @@ def is_available(device=None):
 
 
 def device_info(device=None):
-    """``{"capability": (major, minor), "multiprocessors": n, "driver_version": v}`` of a
-    device, loading ampx's kernels into it (raises RuntimeError if they cannot run there)."""
+    """``{"capability": (major, minor), "multiprocessors": n, "driver_version": v, "toolkit": t}``
+    of a device (``t``: the CUDA release that built the kernels), loading ampx's kernels into it
+    (raises RuntimeError if they cannot run there)."""
     if not _load_image():
         raise RuntimeError(_NOT_BUILT)
     major, minor, sms, driver = _C.cuda_device_info(_index(device))
-    return {"capability": (major, minor), "multiprocessors": sms, "driver_version": driver}
+    return {"capability": (major, minor), "multiprocessors": sms, "driver_version": driver,
+            "toolkit": build_info().get("sass_toolkit")}
 
 
 # ---- the CUDA path of ampx.ops (private) ----------------------------------------------------
@@ -123,3 +161,8 @@ def _launch_args(op, device):
     else:  # pragma: no cover - CUDA tensors without torch's CUDA bindings
         stream = torch.cuda.current_stream(device).cuda_stream
     return {"device": device, "stream": stream, "alloc": alloc}
+
+
+def _capturing(device):
+    """Whether torch is capturing a CUDA graph on ``device``'s current stream (False off CUDA)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -75,6 +75,8 @@ class MasterWeights(torch.optim.Optimizer):
         self.seed = seed
         self._dtype = dtype
         self._steps = 0
+        self._rng = None  # CUDA stochastic rounding: [seed, offset] on the device (see _device_rng)
+        self._rng_key = None  # (seed, offset, device) the eager steps expect it to hold
         self._grads_ready = False
         self._model_params = []  # the low-precision parameters, in optimizer order
         self._masters = []  # their float32 masters, same order
@@ -199,14 +201,43 @@ class MasterWeights(torch.optim.Optimizer):
         if not self._grads_ready:
             self._ampx_cast_grads_()
         self.optimizer.step()
-        self._write_back(self.rounding, self._steps)
+        self._write_back(self.rounding, self._steps, advance=True)
         self._steps += 1
         self._grads_ready = False
         return loss
 
-    def _write_back(self, rounding, offset):
-        ops.cast_(self._masters, self._model_params, rounding=rounding, seed=self.seed,
-                  offset=offset % 2**64)
+    def _write_back(self, rounding, offset, advance=False):
+        """Masters -> model parameters. Stochastic rounding on CUDA takes its seed and offset
+        from a device tensor and, with ``advance``, moves the offset on there, so a step
+        captured in a CUDA graph draws new bits at every replay."""
+        if rounding != "stochastic" or not self._rng_on_device():
+            ops.cast_(self._masters, self._model_params, rounding=rounding, seed=self.seed, offset=offset % 2**64)
+            return
+        rng = self._device_rng(offset % 2**64, self._model_params[0].device)
+        ops.cast_(self._masters, self._model_params, rounding=rounding, rng=rng)
+        if advance:
+            rng[1:].add_(1)  # int64 wraps as the uint64 offset does
+            self._rng_key = (self.seed, (offset + 1) % 2**64, rng.device)
+
+    def _rng_on_device(self):
+        """Whether stochastic rounding's key lives in a device tensor (CUDA parameters)."""
+        return bool(self._model_params) and self._model_params[0].is_cuda
+
+    def _device_rng(self, offset, device):
+        """The [seed, offset] tensor on `device`, (re)written from the host only when eager
+        bookkeeping says it should hold another value (a new seed, a loaded checkpoint): after
+        CUDA-graph replays it is ahead of the host's count, and the device's count wins."""
+        if self._rng is None or self._rng_key != (self.seed, offset, device):
+            signed = [v - 2**64 if v >= 2**63 else v for v in (self.seed, offset)]
+            self._rng = torch.tensor(signed, dtype=torch.int64, device=device)
+            self._rng_key = (self.seed, offset, device)
+        return self._rng
+
+    def _offset(self):
+        """The step count: stochastic rounding's next offset (the device's, after graph replays)."""
+        if self._rng is None or self._rng_key[1] != self._steps % 2**64:
+            return self._steps
+        return int(self._rng[1].item()) % 2**64
 
     def zero_grad(self, set_to_none=True):
         """Clears the model's gradients and the masters' (as ``Optimizer.zero_grad``)."""
@@ -227,7 +258,7 @@ class MasterWeights(torch.optim.Optimizer):
         sd = self.optimizer.state_dict()
         sd["ampx_master_weights"] = {
             "masters": [m.detach().clone() for m in self._masters],
-            "steps": self._steps,
+            "steps": self._offset(),
             "rounding": self.rounding,
             "seed": self.seed,
         }

@@ -317,7 +317,8 @@ def mul_(tensors, factor):
 _U64 = 1 << 64
 
 
-def cast_(src, dst, *, inv_scale=None, found_inf=None, flags=None, rounding="nearest", seed=0, offset=0):
+def cast_(src, dst, *, inv_scale=None, found_inf=None, flags=None, rounding="nearest", seed=0, offset=0,
+          rng=None):
     """Writes ``src[i] * inv_scale`` into ``dst[i]``, converting the dtype.
 
     The "copy model gradients into float32 master gradients" path (bfloat16 or
@@ -338,6 +339,10 @@ def cast_(src, dst, *, inv_scale=None, found_inf=None, flags=None, rounding="nea
         seed, offset: integers in [0, 2**64) choosing the random bits of
             stochastic rounding; the same (seed, offset) and inputs give the
             same bits, on CPU and GPU alike. Pass a new offset each step.
+        rng: instead of seed and offset, a 2-element int64 tensor ``[seed, offset]`` (as
+            two's-complement uint64) on the tensors' device. A CUDA kernel reads it when it
+            runs, so a captured CUDA graph replays with the value it holds then (advance it
+            with ``rng[1:].add_(1)`` after the call, inside the graph).
 
     Conversion from float64 to float16/bfloat16 is rounded once (no double
     rounding through float32).
@@ -354,10 +359,14 @@ def cast_(src, dst, *, inv_scale=None, found_inf=None, flags=None, rounding="nea
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < _U64:
             raise ValueError(f"ampx.ops.cast_: {name} must be an integer in [0, 2**64), not {v!r}")
     op = "ampx.ops.cast_"
+    if rng is not None and (not isinstance(rng, torch.Tensor) or rng.dtype != torch.int64 or rng.numel() != 2
+                            or not rng.is_contiguous()):
+        raise ValueError(f"{op}: rng must be a contiguous int64 tensor of 2 elements [seed, offset], not "
+                         f"{type(rng).__name__ if not isinstance(rng, torch.Tensor) else (rng.dtype, tuple(rng.shape))}")
     _check_outputs(op, found_inf=found_inf, flags=flags)
     dev = _cuda_device(src) if len(src) else _cuda_device(dst)
     _C.cast(op, src, dst, inv_scale=inv_scale, found_inf=found_inf, flags=flags, stochastic=rounding == "stochastic",
-            seed=seed, offset=offset, **_on(op, dev))
+            seed=seed, offset=offset, rng=None if rng is None else rng.view(torch.uint8), **_on(op, dev))
     _written(dst)
 
 

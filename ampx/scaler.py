@@ -11,6 +11,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from . import _C, ops
+from .cuda import _capturing
 from .master import MasterWeights
 from .checkpoint import GROWTH_TIMINGS, CheckpointMixin
 from .sharding import agree, check_sharded_placements, combine
@@ -500,6 +501,12 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             self.last_step_skipped = _LazySkip(found_inf)
             return retval
 
+        if _capturing(self._scale.device):
+            raise RuntimeError(
+                "ampx.GradScaler.step: this optimizer is not fused, so step() must read found_inf on the "
+                "host to decide whether to step, which cannot happen inside a CUDA graph capture. To capture "
+                "the whole step, use a fused optimizer built with capturable=True (e.g. torch.optim.AdamW("
+                "..., fused=True, capturable=True)), or capture only forward and backward.")
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         if len(state["found_inf_per_device"]) == 0:
@@ -523,6 +530,11 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             self._per_optimizer_states = _fresh_states()  # torch's has only torch's keys
             self._record(skipped=False)
             return
+        capturing = _capturing(scale.device)
+        if capturing and self._on_min_scale == "raise" and self._dynamic:
+            raise RuntimeError("ampx.GradScaler.update: on_min_scale='raise' reads the update's result on the "
+                               "host, which cannot happen inside a CUDA graph capture; use 'warn' or 'ignore' "
+                               "for captured steps.")
         found_infs = [f.to(device=scale.device, non_blocking=True)
                       for st in self._per_optimizer_states.values()
                       for f in st["found_inf_per_device"].values()]
@@ -545,6 +557,10 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         self._per_optimizer_states = _fresh_states()
         self._flag_sources = {}
         self._steps += 1
+        if capturing:
+            # No host work inside a capture (no event query, no pinned copy): replayed steps
+            # leave no telemetry (ampx/cuda.py's docstring says so).
+            return
         if scale.device.type == "cpu" and not self._force_lazy_telemetry:
             self._account(self._steps, float(scale.item()), bool(found.item()), int(events), sources)
             return

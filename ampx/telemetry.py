@@ -36,29 +36,56 @@ class OverflowReport:
         return f"OverflowReport(step={self.step}, inf={self.inf}, nan={self.nan})"
 
 
+def _host_copy(t):
+    """A copy of t in host memory, queued without blocking on t's device's current stream."""
+    return t.to("cpu", non_blocking=True)
+
+
+def _device_of(t):
+    return t.device
+
+
+def _stream_devices(scale, sources):
+    """The devices whose streams carry a _Pending's copies: the scale's, then each flag tensor's."""
+    devices = [_device_of(scale)]
+    for _, fl in (pair for src in sources for pair in src):
+        if _device_of(fl) not in devices:
+            devices.append(_device_of(fl))
+    return devices
+
+
+def _record_event(device):
+    """An event recorded on `device`'s current stream (None off CUDA: nothing to wait for)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 class _Pending:
     """One update's telemetry on its way from the device: scale, found_inf, the update's events
-    and the per-tensor flags, copied without blocking into host memory, with an event that
-    says when the copy has landed."""
+    and the per-tensor flags, copied without blocking into host memory, with one event per
+    device whose stream carries a copy: with gradients on several GPUs the flags travel on
+    each gradient device's own stream, and nothing is read before every one has landed."""
 
     def __init__(self, step, scale, found, events, sources):
         self.step = step
         vals = torch.stack([scale.reshape(()).double(), found.reshape(()).double(),
                             (events.reshape(()).double() if isinstance(events, torch.Tensor)
                              else scale.new_full((), float(events), dtype=torch.float64))])
-        self.vals = vals.to("cpu", non_blocking=True)
-        self.sources = [[(ps, fl.to("cpu", non_blocking=True)) for ps, fl in src] for src in sources]
-        self.event = None
-        if scale.device.type == "cuda":
-            self.event = torch.cuda.Event()
-            self.event.record(torch.cuda.current_stream(scale.device))
+        self.vals = _host_copy(vals)
+        self.sources = [[(ps, _host_copy(fl)) for ps, fl in src] for src in sources]
+        # Recorded after the copies were queued, on each stream that carries one.
+        self.events = [e for e in map(_record_event, _stream_devices(scale, sources)) if e is not None]
 
     def ready(self):
-        return self.event is None or self.event.query()
+        return all(e.query() for e in self.events)
 
     def values(self):
-        if self.event is not None and not self.event.query():
-            self.event.synchronize()
+        for e in self.events:
+            if not e.query():
+                e.synchronize()
         s, f, e = self.vals.tolist()
         return self.step, s, bool(f), int(e), self.sources
 

@@ -1,6 +1,17 @@
 #!/usr/bin/env python3
 """ampx's CUDA kernels against torch's, on one GPU (driven by benchmarks/gpu_check.sh).
 
+By default: the targets of the CUDA issue, each in its own guarded section, then ONE table with
+every target (measured value, goal, PASS/FAIL/ERROR):
+  * unscale_norm_ bandwidth against a device-to-device copy, 64M float32 (goal >= 0.90);
+  * the full scaler step (ampx.GradScaler clip_grad_norm_ + fused AdamW step + update) against
+    torch's (GradScaler.unscale_ + clip_grad_norm_ + step + update) on 10,000 small parameters
+    (goal >= 2.5x) and on 4 x 16M (goal >= 1.0x);
+  * host synchronisations per step with a fused optimizer (torch's sync debug mode counts
+    them; goal 0);
+  * the same step captured in a CUDA graph and replayed gives the eager step's bits.
+With --extended, also the older detailed sections below.
+
 Measures, with CUDA events after a warm-up, the median of repeats:
   * the bandwidth ceiling: a device-to-device copy (and an in-place x.mul_(1.0));
   * unscale_, norm and unscale_norm_ on 1 billion float32 elements (and bfloat16), ampx vs
@@ -18,10 +29,12 @@ Targets (H200): unscale_norm_ >= 90% of the copy ceiling; full scaler step >= 2.
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
 import traceback
+import warnings
 
 import torch
 
@@ -217,11 +230,8 @@ def small(count, size, copy_gbs):
     log(f"  check: ampx total norm {got!r} vs torch {ref!r}")
 
 
-def step(label, shapes, max_norm=1e30):
-    """Full scaler steps on parameters of `shapes` (float32, fused AdamW)."""
-    section(f"full scaler step: {label}")
-    numel = sum(math.prod(s) for s in shapes)
-    log(f"  {len(shapes):,} parameters, {numel:,} elements")
+def _param_maker(shapes):
+    """make() -> (float32 parameters of `shapes` with random grads, fused AdamW over them)."""
     g = torch.Generator(device="cuda").manual_seed(1)
 
     def make():
@@ -229,6 +239,15 @@ def step(label, shapes, max_norm=1e30):
         for p in ps:
             p.grad = torch.randn(p.shape, device="cuda", generator=g)
         return ps, torch.optim.AdamW(ps, lr=1e-4, fused=True)
+    return make
+
+
+def step(label, shapes, max_norm=1e30):
+    """Full scaler steps on parameters of `shapes` (float32, fused AdamW)."""
+    section(f"full scaler step: {label}")
+    numel = sum(math.prod(s) for s in shapes)
+    log(f"  {len(shapes):,} parameters, {numel:,} elements")
+    make = _param_maker(shapes)
 
     # torch: the documented recipe with a GradScaler (scale 1.0 keeps the grads as they are)
     tp, topt = make()
@@ -288,17 +307,164 @@ def step(label, shapes, max_norm=1e30):
         log(f"  ampx.GradScaler on CUDA: {type(e).__name__}: {e}")
 
 
+# ---- the issue's targets: one table ----------------------------------------------------------
+
+TARGETS = []  # (what, measured text, goal text, verdict)
+
+
+def target(what, goal):
+    """Decorator: runs a target section; the function returns (measured text, passed)."""
+    def wrap(fn):
+        def run():
+            try:
+                shown, ok = fn()
+                TARGETS.append((what, shown, goal, "PASS" if ok else "FAIL"))
+            except Exception as e:
+                log(f"!!! target {what!r} failed:")
+                traceback.print_exc(file=sys.stdout)
+                TARGETS.append((what, f"{type(e).__name__}: {str(e)[:60]}", goal, "ERROR"))
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        run.__name__ = fn.__name__
+        return run
+    return wrap
+
+
+@target("unscale_norm_ / D2D copy bandwidth, 64M float32", ">= 0.90")
+def t_bandwidth(n=64 * 2**20):
+    section(f"target: unscale_norm_ against a device-to-device copy, {n:,} float32")
+    x = torch.randn(n, device="cuda")
+    y = torch.empty_like(x)
+    inv, found = torch.ones(1, device="cuda"), torch.zeros(1, device="cuda")
+    copy = record("target", "copy (read + write)", bench(lambda: y.copy_(x), 21)[0], 8 * n)
+    un = record("target", "ampx unscale_norm_", bench(lambda: ops.unscale_norm_([x], inv, found), 21)[0], 8 * n)
+    ratio = un["GB/s"] / copy["GB/s"]
+    return f"{ratio:.3f} ({un['GB/s']:.0f} / {copy['GB/s']:.0f} GB/s)", ratio >= 0.90
+
+
+def _step_pair(shapes, reps=7, inner=2):
+    """(ampx ms, torch ms): ampx.GradScaler vs torch.amp.GradScaler, clip + fused AdamW + update."""
+    make = _param_maker(shapes)
+
+    tp, topt = make()
+    ts = torch.amp.GradScaler("cuda", init_scale=1.0, growth_interval=10**9)
+    ts.scale(torch.ones((), device="cuda"))
+
+    def torch_step():
+        ts.unscale_(topt)
+        torch.nn.utils.clip_grad_norm_(tp, 1.0)
+        ts.step(topt)
+        ts.update()
+
+    ap_, aopt = make()
+    sa = ampx.GradScaler("cuda", init_scale=1.0, growth_interval=10**9)
+    sa.scale(torch.ones((), device="cuda"))
+
+    def ampx_step():
+        sa.clip_grad_norm_(aopt, 1.0)
+        sa.step(aopt)
+        sa.update()
+
+    t = bench(torch_step, reps, inner)
+    a = bench(ampx_step, reps, inner)
+    record("target", f"torch scaler step, {len(shapes):,} params", t[0], extra={"wall_ms": t[2]})
+    record("target", f"ampx scaler step, {len(shapes):,} params", a[0], extra={"wall_ms": a[2]})
+    # A step costs what the host or the device takes, whichever is longer: compare walls too.
+    return max(a[0], a[2]), max(t[0], t[2])
+
+
+@target("scaler step vs torch, 10,000 small params", ">= 2.5x")
+def t_step_small():
+    section("target: full scaler step, 10,000 small parameters")
+    gs = torch.Generator().manual_seed(3)
+    a, t = _step_pair([(int(k),) for k in torch.randint(500, 5000, (10_000,), generator=gs)])
+    return f"{t / a:.2f}x ({a:.2f} vs {t:.2f} ms)", t / a >= 2.5
+
+
+@target("scaler step vs torch, 4 x 16M params", ">= 1.0x")
+def t_step_large():
+    section("target: full scaler step, 4 x 16M parameters")
+    a, t = _step_pair([(16 * 2**20,)] * 4)
+    return f"{t / a:.2f}x ({a:.2f} vs {t:.2f} ms)", t / a >= 1.0
+
+
+def _graph_helpers():
+    """tests/test_cuda_graphs.py: the scaler step the GPU tests capture, shared so both check
+    the same thing."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    import test_cuda_graphs
+
+    return test_cuda_graphs
+
+
+@target("host syncs per step, fused AdamW + clip", "0")
+def t_syncs(steps=10):
+    section("target: host synchronisations per step (torch.cuda sync debug mode)")
+    helpers = _graph_helpers()
+    model, opt, scaler = helpers._cuda_setup(0, width=256)
+    x = torch.randn(64, 256, device="cuda")
+    helpers._train_step(model, opt, scaler, x)  # first step: kernels load, state made
+    torch.cuda.synchronize()
+    prev = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                opt.zero_grad(set_to_none=False)
+                helpers._train_step(model, opt, scaler, x)
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    for w in syncs[:3]:
+        log(f"  sync: {w.filename}:{w.lineno}: {w.message}")
+    per = len(syncs) / steps
+    return f"{per:g}", per == 0
+
+
+@target("graph-captured step == eager step (bits)", "identical")
+def t_graph():
+    section("target: a captured scaler step replays with the eager step's bits")
+    (me, se), (mg, sg) = _graph_helpers().captured_vs_eager(steps=9, width=256)
+    same = all(torch.equal(a, b) for a, b in zip(mg.parameters(), me.parameters()))
+    same = same and sg.get_scale() == se.get_scale()
+    return ("identical" if same else "DIFFERENT") + f" (7 replays, scale {sg.get_scale():g})", same
+
+
+def print_targets(header):
+    log("")
+    log("=" * 106)
+    log(header)
+    log(f"{'target':<50}{'measured':<38}{'goal':<11}verdict")
+    log("-" * 106)
+    for what, shown, goal, verdict in TARGETS:
+        log(f"{what:<50}{shown:<38}{goal:<11}{verdict}")
+    log("=" * 106)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--extended", action="store_true", help="also the older detailed sections")
     ap.add_argument("--json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         log("no CUDA device")
         return 1
-    log(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; "
-        f"ampx.cuda: {ampx.cuda.unavailable_reason() or 'available'} {ampx.cuda.device_info(0)}")
+    reason = ampx.cuda.unavailable_reason()
+    header = (f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; ampx.cuda: "
+              f"{reason or 'available'}; {ampx.cuda.device_info(0) if reason is None else ''}")
+    log(header)
     t0 = time.time()
+    for fn in (t_bandwidth, t_step_small, t_step_large, t_syncs, t_graph):
+        fn()
+    print_targets(header)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"targets": TARGETS, "results": RESULTS}, f, indent=1)
+    if not args.extended:
+        log(f"targets took {time.time() - t0:.0f} s")
+        return 0 if all(v == "PASS" for *_, v in TARGETS) else 1
     n = 100_000_000 if args.quick else 1_000_000_000
     copy = [None]
 
@@ -331,7 +497,7 @@ def main():
     log(f"benchmarks took {time.time() - t0:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(RESULTS, f, indent=1)
+            json.dump({"targets": TARGETS, "results": RESULTS}, f, indent=1)
     if FAILED_SECTIONS:
         log(f"sections that failed: {', '.join(FAILED_SECTIONS)}")
         return 1

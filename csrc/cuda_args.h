@@ -57,6 +57,7 @@ typedef struct {
     uint64_t pt;         /* double[ntotal]: per-tensor reductions before the final sqrt */
     double factor;       /* used when factor_ptr is 0 */
     uint64_t seed, offset; /* stochastic rounding */
+    uint64_t rng;        /* casts: const uint64[2] {seed, offset} read on the device; else seed, offset */
     uint32_t kind;       /* AMPX_CU_SCALE / AMPX_CU_CAST (checked by the kernel) */
     uint32_t reduce;     /* AMPX_REDUCE_* */
     uint32_t check;      /* publish flags / found_inf */
@@ -75,10 +76,10 @@ typedef struct {
     uint8_t src_dtype[AMPX_CU_MAX_TENSORS];  /* casts: of src */
 } ampx_cu_args;
 
-/* The size both compilers must agree on: a 128-byte header, 34 bytes per
+/* The size both compilers must agree on: a 136-byte header, 34 bytes per
  * tensor slot and the last `first` entry, rounded up to 8; under the 4 KB
  * parameter limit of every CUDA driver. */
-#define AMPX_CU_ARGS_SIZE (((128 + AMPX_CU_MAX_TENSORS * 34 + 4) + 7) / 8 * 8)
+#define AMPX_CU_ARGS_SIZE (((136 + AMPX_CU_MAX_TENSORS * 34 + 4) + 7) / 8 * 8)
 
 /* The loss-scale update: one thread. */
 typedef struct {

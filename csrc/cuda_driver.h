@@ -33,7 +33,70 @@ typedef uint64_t ampx_cu_deviceptr;             /* CUdeviceptr (same size and pa
 
 /* Driver constants ampx uses (checked against cuda.h by the kernel build). */
 #define AMPX_CUDA_SUCCESS 0
+#define AMPX_CUDA_ERROR_NOT_INITIALIZED 3
 #define AMPX_CUDA_ERROR_NO_BINARY_FOR_GPU 209
+#define AMPX_CU_STREAM_NON_BLOCKING 1
+
+/* A kernel fault (often not ampx's: a torch index out of range, a freed tensor) poisons the
+ * context, and the next driver call of anyone reports it. */
+#define AMPX_CU_STICKY_FIX                                                                                 \
+    "a kernel faulted on this device (an earlier one, possibly not ampx's: errors are reported by "       \
+    "the next CUDA call) and the CUDA context cannot be used any more: restart the process, and rerun "   \
+    "with CUDA_LAUNCH_BLOCKING=1 to see which kernel it was"
+
+/* The driver errors a user can cause or fix, each with what to do about it (code, cuda.h
+ * name, fix). The kernel build asserts every code against cuda.h. Errors that need more
+ * context (the fatbin's toolkit against the driver's, a fork) get more in cuda_driver.c. */
+#define AMPX_CU_ERROR_HINTS(X)                                                                             \
+    X(2, CUDA_ERROR_OUT_OF_MEMORY,                                                                         \
+      "free GPU memory (drop tensors, torch.cuda.empty_cache()), use a smaller batch, or check "           \
+      "nvidia-smi for other processes on the device")                                                     \
+    X(3, CUDA_ERROR_NOT_INITIALIZED,                                                                       \
+      "the driver could not start; if this process was forked from one that had used CUDA, start it "      \
+      "with the 'spawn' method instead (multiprocessing.set_start_method('spawn'))")                      \
+    X(34, CUDA_ERROR_STUB_LIBRARY,                                                                         \
+      "the libcuda.so.1 loaded is the CUDA toolkit's stub, not the driver: take the toolkit's stubs "      \
+      "directory out of LD_LIBRARY_PATH")                                                                 \
+    X(46, CUDA_ERROR_DEVICE_UNAVAILABLE,                                                                   \
+      "the device is taken (exclusive-process compute mode with another process on it) or being reset: "  \
+      "check nvidia-smi")                                                                                 \
+    X(100, CUDA_ERROR_NO_DEVICE,                                                                           \
+      "no GPU is visible to this process: check CUDA_VISIBLE_DEVICES and nvidia-smi (in a container, "     \
+      "start it with the GPUs passed in, e.g. docker run --gpus all)")                                    \
+    X(101, CUDA_ERROR_INVALID_DEVICE, "no such device here: check CUDA_VISIBLE_DEVICES")                   \
+    X(200, CUDA_ERROR_INVALID_IMAGE,                                                                       \
+      "the driver cannot read ampx/_kernels.fatbin: reinstall ampx if the file is damaged, else update "   \
+      "the NVIDIA driver")                                                                                \
+    X(209, CUDA_ERROR_NO_BINARY_FOR_GPU,                                                                   \
+      "the fatbin has no code this GPU and driver can run: update the NVIDIA driver, or rebuild ampx "     \
+      "with a CUDA toolkit that knows this GPU")                                                          \
+    X(218, CUDA_ERROR_INVALID_PTX,                                                                         \
+      "the driver's PTX compiler refused ampx's PTX: update the NVIDIA driver")                          \
+    X(221, CUDA_ERROR_JIT_COMPILER_NOT_FOUND,                                                              \
+      "the driver's PTX compiler (libnvidia-ptxjitcompiler.so.1) is missing: install the whole NVIDIA "    \
+      "driver (in a container: NVIDIA_DRIVER_CAPABILITIES must include compute)")                         \
+    X(222, CUDA_ERROR_UNSUPPORTED_PTX_VERSION,                                                             \
+      "ampx's PTX is newer than this driver: update the NVIDIA driver")                                  \
+    X(500, CUDA_ERROR_NOT_FOUND,                                                                           \
+      "a kernel is missing from ampx/_kernels.fatbin, which comes from another ampx build: reinstall ampx") \
+    X(700, CUDA_ERROR_ILLEGAL_ADDRESS, AMPX_CU_STICKY_FIX)                                                 \
+    X(710, CUDA_ERROR_ASSERT, AMPX_CU_STICKY_FIX)                                                          \
+    X(719, CUDA_ERROR_LAUNCH_FAILED, AMPX_CU_STICKY_FIX)                                                   \
+    X(803, CUDA_ERROR_SYSTEM_DRIVER_MISMATCH,                                                              \
+      "libcuda.so.1 and the loaded kernel module are different driver versions (updated without a "       \
+      "reboot, or a forward-compatibility package): reboot, or load the libcuda.so.1 that matches")        \
+    X(804, CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE,                                                      \
+      "the CUDA forward-compatibility package does not support this GPU: remove it from "                 \
+      "LD_LIBRARY_PATH and update the driver instead")                                                    \
+    X(900, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,                                                          \
+      "called during CUDA graph capture: run one eager step (or ampx.cuda.device_info(device)) before "    \
+      "capturing, so that ampx loads its kernels first")                                                  \
+    X(901, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,                                                          \
+      "a CUDA graph capture was broken by an operation that is not allowed inside one; see the first "     \
+      "error of the capture")                                                                            \
+    X(906, CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,                                                             \
+      "called during CUDA graph capture: run one eager step (or ampx.cuda.device_info(device)) before "    \
+      "capturing, so that ampx loads its kernels first")
 #define AMPX_CU_ATTR_MULTIPROCESSOR_COUNT 16
 #define AMPX_CU_ATTR_CC_MAJOR 75
 #define AMPX_CU_ATTR_CC_MINOR 76
@@ -44,7 +107,7 @@ typedef uint64_t ampx_cu_deviceptr;             /* CUdeviceptr (same size and pa
 #define AMPX_CU_E_AMPX (-1)
 typedef struct {
     int code;
-    char msg[400];
+    char msg[1024];
 } ampx_cu_error;
 
 /* The scale kernels' names in the fatbin: one for each row of
@@ -63,26 +126,36 @@ typedef struct {
     ampx_cu_function scale[AMPX_NUM_REDUCE][2][2]; /* [reduce][write][scale]; NULL where no mode uses it */
     ampx_cu_function cast;
     ampx_cu_function update;
+    ampx_cu_function probe; /* an empty kernel: launched once to prove the device runs ampx's code */
+    int launched;           /* the probe kernel ran to completion on this device */
     int sm_count;
     int cc_major, cc_minor;
 } ampx_cu_dev;
 
-/* Hands the fatbin image to the layer (copied). Returns 0, or -1 out of memory. */
-int ampx_cu_set_image(const void *data, size_t size);
+/* Hands the fatbin image to the layer (copied), with the CUDA releases that built its SASS
+ * and its PTX (cuDriverGetVersion numbers such as 12090; 0 when unknown) and its targets in
+ * words (copied; "" when unknown), used to say which driver is needed. Returns 0, or -1 out
+ * of memory. */
+int ampx_cu_set_image(const void *data, size_t size, int sass_toolkit, int ptx_toolkit, const char *targets);
 int ampx_cu_have_image(void);
 
-/* Loads libcuda and runs cuInit once. Returns 0, or -1 with a reason in err. */
+/* Loads the driver library (libcuda.so.1, or $AMPX_LIBCUDA: a test's stand-in) and runs
+ * cuInit once per process (once again in a forked child: see the atfork handler). Returns 0,
+ * or -1 with a reason in err. Thread-safe; call it without the GIL. */
 int ampx_cu_driver(ampx_cu_error *err);
 
-/* Whether device `ordinal` can run ampx's kernels, without creating a
- * context: the driver loads and initialises, the device exists, its compute
- * capability is 8.0 or newer; and, when the device's primary context is
- * already active (torch has used the device), the kernels load into it.
- * Returns 0, or -1 with the reason in err. */
+/* Whether device `ordinal` runs ampx's kernels: the driver is new enough for the fatbin, the
+ * kernels load into the device's primary context (creating it, as torch's first use would),
+ * and an empty kernel launched on its own stream completes. A success is kept; a failure is
+ * tried again at the next call. Returns 0, or -1 with the reason in err. Without the GIL. */
 int ampx_cu_probe(int ordinal, ampx_cu_error *err);
 
-/* The loaded device `ordinal` (loading its kernels on first use). */
+/* The loaded device `ordinal`, loading its kernels on first use: once per device, under
+ * ampx's own lock (other threads, and Python with the GIL released, go on meanwhile).
+ * Without the GIL: loading may JIT-compile PTX for seconds. */
 ampx_cu_dev *ampx_cu_device_get(int ordinal, ampx_cu_error *err);
+/* Device `ordinal` if its kernels are loaded already, else NULL: never loads, never blocks. */
+ampx_cu_dev *ampx_cu_device_ready(int ordinal);
 
 /* The driver's version (e.g. 13000), or 0 when it is not loaded. */
 int ampx_cu_driver_version(void);
@@ -112,6 +185,7 @@ typedef struct {
     int reduce, write, scale; /* scale kernel: AMPX_REDUCE_*, store, multiply */
     int stochastic;
     uint64_t seed, offset;
+    ampx_cu_deviceptr rng; /* casts: {seed, offset} on the device (a CUDA graph replays its current value), or 0 */
     double factor;
     ampx_cu_deviceptr factor_ptr, found_inf, flags_out, per_out, total_out;
 } ampx_cu_job;

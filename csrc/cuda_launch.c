@@ -83,6 +83,7 @@ int ampx_cu_begin(ampx_cu_launcher *L, const ampx_cu_dev *dev, ampx_cu_stream st
     a->stochastic = (uint32_t)job->stochastic;
     a->seed = job->seed;
     a->offset = job->offset;
+    a->rng = job->rng;
     a->factor = job->factor;
     a->factor_ptr = job->factor_ptr;
     a->found_inf = job->found_inf;

@@ -98,21 +98,24 @@ done:
 }
 
 /* cast(op, src, dst, *, inv_scale=None, found_inf=None, flags=None, stochastic=False, seed=0,
- *      offset=0, device=-1, nthreads=1, stream=0, alloc=None)
+ *      offset=0, rng=None, device=-1, nthreads=1, stream=0, alloc=None)
  *
- * dst[i] = src[i] * inv_scale, converted, for each pair. */
+ * dst[i] = src[i] * inv_scale, converted, for each pair. rng: 16 bytes (uint8) holding
+ * stochastic rounding's {seed, offset} as two native uint64, used instead of seed and offset;
+ * on the CPU read now, on CUDA read by the kernel when it runs (so a CUDA graph replays with
+ * the value the tensor holds then). */
 PyObject *py_cast(PyObject *module, PyObject *args, PyObject *kwargs)
 {
     static char *kw[] = {"op",         "src",  "dst",    "inv_scale", "found_inf", "flags",
-                         "stochastic", "seed", "offset", SITE_KEYWORDS, NULL};
+                         "stochastic", "seed", "offset", "rng", SITE_KEYWORDS, NULL};
     mstate *st = state_of(module);
     entry_call c;
     memset(&c, 0, sizeof c);
     site_defaults(&c.at, NULL);
-    PyObject *src_o, *dst_o, *factor_o = Py_None, *found_o = Py_None, *flags_o = Py_None;
+    PyObject *src_o, *dst_o, *factor_o = Py_None, *found_o = Py_None, *flags_o = Py_None, *rng_o = Py_None;
     unsigned long long seed = 0, offset = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOO|$OOOpKK" SITE_FORMAT ":cast", kw, &c.at.op, &src_o, &dst_o,
-                                     &factor_o, &found_o, &flags_o, &c.stochastic, &seed, &offset,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOO|$OOOpKKO" SITE_FORMAT ":cast", kw, &c.at.op, &src_o, &dst_o,
+                                     &factor_o, &found_o, &flags_o, &c.stochastic, &seed, &offset, &rng_o,
                                      SITE_ARGS(c.at)))
         return NULL;
     if (state_ready(st) < 0)
@@ -124,8 +127,15 @@ PyObject *py_cast(PyObject *module, PyObject *args, PyObject *kwargs)
         return NULL;
     PyObject *result = NULL;
     if (parse_factor(st, op, "inv_scale", factor_o, c.at.device, &c.factor, &c.factor_ptr) < 0 ||
-        check_outputs(st, &c, found_o, flags_o, c.S.n) < 0 || cast_prepare(st, op, &c.S, &c.D) < 0)
+        check_outputs(st, &c, found_o, flags_o, c.S.n) < 0 ||
+        opt_aux(st, op, "rng", rng_o, st->dtype_u8, 16, c.at.device, &c.rng) < 0 ||
+        cast_prepare(st, op, &c.S, &c.D) < 0)
         goto done;
+    if (c.rng != NULL && c.at.device < 0) { /* host memory: read it now */
+        memcpy(&c.seed, c.rng, sizeof c.seed);
+        memcpy(&c.offset, (const char *)c.rng + sizeof c.seed, sizeof c.offset);
+        c.rng = NULL;
+    }
     if ((c.at.device < 0 ? cpu_cast(st, &c) : cuda_cast(st, &c)) < 0)
         goto done;
     result = new_ref(Py_None);

@@ -48,6 +48,7 @@ typedef struct {
     /* cast: S holds the pairs (cast_prepare), D the destinations */
     int stochastic;
     uint64_t seed, offset;
+    void *rng;                    /* CUDA: {seed, offset} as 16 bytes on the device, read by the kernel; else NULL */
     tlist S, D;
 } entry_call;
 

@@ -10,7 +10,8 @@
  * launches). Driver errors arrive as ampx_cu_error (cuda_driver.h: pure C,
  * errors cross one boundary) and become RuntimeError here, in cu_raise.
  *
- * Called by entry.c with the GIL held. Releases it around batched launches;
+ * Called by entry.c with the GIL held. Releases it while a device's kernels load (the first
+ * call on a device) and around batched launches;
  * the sequential path keeps it, since it calls torch between launches (and a
  * context is never held pushed across a call into Python). May call:
  * cuda_driver.h, tensor_list.h, tensor_meta.h (get_data_ptr).
@@ -30,6 +31,19 @@ static int cu_raise(const char *op, const ampx_cu_error *err)
 }
 
 static ampx_cu_deviceptr dptr(const void *p) { return (ampx_cu_deviceptr)(uintptr_t)p; }
+
+/* ampx_cu_device_get with the GIL released: the first call on a device loads its kernels,
+ * which can take seconds (a PTX JIT), under ampx's own lock. */
+static const ampx_cu_dev *device_nogil(int ordinal, ampx_cu_error *err)
+{
+    const ampx_cu_dev *dev = ampx_cu_device_ready(ordinal);
+    if (dev != NULL) /* the usual case: loaded already, no reason to give the GIL away */
+        return dev;
+    Py_BEGIN_ALLOW_THREADS
+    dev = ampx_cu_device_get(ordinal, err);
+    Py_END_ALLOW_THREADS
+    return dev;
+}
 
 /* Calls alloc(bytes) (a torch.empty on the device) and keeps the tensor in
  * *keep (a new reference the caller drops after the launches). */
@@ -105,7 +119,7 @@ static int cuda_prepare(mstate *st, const entry_site *at, const ampx_cu_job *job
 {
     memset(r, 0, sizeof *r);
     ampx_cu_error err;
-    if ((r->dev = ampx_cu_device_get(at->device, &err)) == NULL)
+    if ((r->dev = device_nogil(at->device, &err)) == NULL)
         return cu_raise(at->op, &err);
     if ((r->cts = cuda_tensors(L)) == NULL)
         return -1;
@@ -207,6 +221,7 @@ int cuda_cast(mstate *st, entry_call *c)
     job.stochastic = c->stochastic;
     job.seed = c->seed;
     job.offset = c->offset;
+    job.rng = dptr(c->rng);
     cuda_run r;
     int rc = cuda_prepare(st, &c->at, &job, &c->S, &r);
     if (rc == 0)
@@ -236,7 +251,7 @@ int cuda_update_scale(const entry_update *u)
     a.min_scale = (float)u->min_scale;
     a.max_scale = (float)u->max_scale;
     ampx_cu_error err;
-    const ampx_cu_dev *dev = ampx_cu_device_get(u->at.device, &err);
+    const ampx_cu_dev *dev = device_nogil(u->at.device, &err);
     if (dev == NULL || ampx_cu_update(dev, (ampx_cu_stream)(uintptr_t)u->at.stream, &a, &err) < 0)
         return cu_raise(u->at.op, &err);
     return 0;
@@ -244,19 +259,26 @@ int cuda_update_scale(const entry_update *u)
 
 /* ---- the fatbin and the devices ---------------------------------------------- */
 
-/* cuda_set_image(bytes): the fatbin (read by ampx.cuda); the first one stays. */
+/* cuda_set_image((fatbin: bytes, sass_toolkit: int, ptx_toolkit: int, targets: str)): the
+ * fatbin, the CUDA releases that built it and its targets in words (from ampx/_kernels.json;
+ * 0 and "" when unknown), read by ampx.cuda; the first one stays. */
 PyObject *py_cuda_set_image(PyObject *module, PyObject *arg)
 {
     (void)module;
+    PyObject *fatbin = NULL;
+    int sass = 0, ptx = 0;
+    const char *targets = "";
+    if (!PyArg_ParseTuple(arg, "Sii|s:cuda_set_image", &fatbin, &sass, &ptx, &targets))
+        return NULL;
     char *data = NULL;
     Py_ssize_t size = 0;
-    if (PyBytes_AsStringAndSize(arg, &data, &size) < 0)
+    if (PyBytes_AsStringAndSize(fatbin, &data, &size) < 0)
         return NULL;
     if (size <= 0) {
         PyErr_SetString(PyExc_ValueError, "cuda_set_image: the fatbin is empty");
         return NULL;
     }
-    if (ampx_cu_set_image(data, (size_t)size) < 0)
+    if (ampx_cu_set_image(data, (size_t)size, sass, ptx, targets) < 0)
         return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
@@ -271,14 +293,18 @@ static int device_arg(PyObject *arg, int *device)
     return 0;
 }
 
-/* cuda_probe(device) -> None when device can run ampx's kernels, else the reason (str). */
+/* cuda_probe(device) -> None when device has loaded and run ampx's kernels, else the
+ * reason (str). Without the GIL (see ampx_cu_probe). */
 PyObject *py_cuda_probe(PyObject *module, PyObject *arg)
 {
     ampx_cu_error err;
-    int device;
+    int device, rc;
     if (device_arg(arg, &device) < 0)
         return NULL;
-    return ampx_cu_probe(device, &err) < 0 ? PyUnicode_FromString(err.msg) : new_ref(Py_None);
+    Py_BEGIN_ALLOW_THREADS
+    rc = ampx_cu_probe(device, &err);
+    Py_END_ALLOW_THREADS
+    return rc < 0 ? PyUnicode_FromString(err.msg) : new_ref(Py_None);
 }
 
 /* cuda_device_info(device) -> (cc_major, cc_minor, multiprocessors, driver_version); loads the kernels. */
@@ -288,7 +314,7 @@ PyObject *py_cuda_device_info(PyObject *module, PyObject *arg)
     int device;
     if (device_arg(arg, &device) < 0)
         return NULL;
-    const ampx_cu_dev *dev = ampx_cu_device_get(device, &err);
+    const ampx_cu_dev *dev = device_nogil(device, &err);
     if (dev == NULL) {
         cu_raise("ampx.cuda", &err);
         return NULL;

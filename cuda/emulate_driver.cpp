@@ -9,7 +9,8 @@
  *   JOB    text:
  *     scale   reduce write scale factor factor_off found_off flags_off per_off total_off
  *             sequential grid_cap n
- *     cast    stochastic seed offset factor factor_off found_off flags_off grid_cap n
+ *     cast    stochastic seed offset rng_off factor factor_off found_off flags_off grid_cap n
+ *             (rng_off: {seed, offset} as two uint64 in the arena, read by the kernel; -1: none)
  *     update  scale_off tracker_off hyst_off found_off events_off growth backoff interval
  *             hysteresis consecutive min max
  *   then, for scale and cast, one line per tensor: dtype src_dtype numel ptr_off src_off.
@@ -240,11 +241,13 @@ int main(int argc, char **argv)
         } else if (strcmp(kind, "cast") == 0) {
             job.kind = AMPX_CU_CAST;
             unsigned long long seed, offset;
-            if (fscanf(fj, "%d %llu %llu %lf %lld %lld %lld %d %d", &job.stochastic, &seed, &offset, &job.factor,
-                       &factor_off, &found_off, &flags_off, &cap, &n) != 9)
+            long long rng_off;
+            if (fscanf(fj, "%d %llu %llu %lld %lf %lld %lld %lld %d %d", &job.stochastic, &seed, &offset, &rng_off,
+                       &job.factor, &factor_off, &found_off, &flags_off, &cap, &n) != 10)
                 return fail("bad cast job");
             job.seed = seed;
             job.offset = offset;
+            job.rng = dptr(rng_off);
         } else {
             return fail("unknown job kind");
         }

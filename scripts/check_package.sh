@@ -30,6 +30,11 @@ if grep -E '\.(so|o|fatbin)$' "$work/sdist.txt"; then fail "the sdist carries bu
 echo "   $(basename "$sdist"): $(wc -l <"$work/sdist.txt") entries, all $(wc -l <"$work/want.txt") required files present"
 
 echo "== wheel from the unpacked sdist, repaired"
+# pip builds the wheel in an isolated environment: point setup.py at the CUDA 12 ptxas of
+# .venv's nvidia-cuda-nvcc-cu12 (scripts/run.sh installs it), so the wheel's kernels serve every
+# R525+ driver rather than only the system nvcc's release.
+ptxas12=$(ls "$root"/.venv/lib/python3*/site-packages/nvidia/cuda_nvcc/bin/ptxas 2>/dev/null | head -1 || true)
+if [ -n "$ptxas12" ] && [ -z "${AMPX_PTXAS:-}" ]; then export AMPX_PTXAS="$ptxas12"; fi
 tar -xzf "$sdist" -C "$work"
 unpacked=$(ls -d "$work"/ampx-*/)
 wheel=$(bash scripts/build_wheel.sh "$unpacked" "$work/wheel" | tail -1)
@@ -40,7 +45,7 @@ case "$name" in
 esac
 unzip -Z1 "$wheel" | sort >"$work/wheel.txt"
 want_wheel=$( (cd "$root" && git ls-files 'ampx/*.py'); echo ampx/_C.abi3.so; echo ampx-0.1.0.dist-info/licenses/LICENSE)
-if [ "${AMPX_CUDA:-}" = 1 ]; then want_wheel="$want_wheel"$'\n'ampx/_kernels.fatbin; fi
+if [ "${AMPX_CUDA:-}" = 1 ]; then want_wheel="$want_wheel"$'\n'ampx/_kernels.fatbin$'\n'ampx/_kernels.json; fi
 missing=$(comm -23 <(echo "$want_wheel" | sort -u) "$work/wheel.txt")
 [ -z "$missing" ] || fail "the wheel lacks: $(echo $missing)"
 if grep -vE '^ampx/|^ampx-[^/]*\.dist-info/|^ampx\.libs/' "$work/wheel.txt"; then fail "the wheel carries files outside ampx/"; fi
@@ -49,6 +54,13 @@ newest=$(objdump -T "$work/so/ampx/_C.abi3.so" | grep -oE 'GLIBC_[0-9.]+' | sort
 [ "$(printf '%s\n' "$newest" GLIBC_2.17 | sort -V | tail -1)" = GLIBC_2.17 ] ||
   fail "the extension needs $newest: a moved glibc symbol is missing from csrc/glibc_compat.h"
 echo "   $name: $(wc -l <"$work/wheel.txt") files, newest glibc symbol $newest"
+if [ "${AMPX_CUDA:-}" = 1 ]; then
+  kernels=$(unzip -p "$wheel" ampx/_kernels.json)
+  echo "   CUDA kernels: $kernels"
+  if [ -n "${AMPX_PTXAS:-}" ]; then
+    echo "$kernels" | grep -q '"sass_toolkit": 12' || fail "the wheel's kernels are not from the CUDA 12 ptxas ($AMPX_PTXAS)"
+  fi
+fi
 
 echo "== a broken nvcc: a CPU-only build with a warning, unless AMPX_CUDA=1"
 mkdir -p "$work/fakecuda/bin"

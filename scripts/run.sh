@@ -35,8 +35,11 @@ case "$job" in
   # DeepSpeed is only for the tests of Policy.deepspeed_config and prepare(); DS_BUILD_OPS=0
   # builds none of its ops. Accelerate, Transformers and Lightning are for the tests of
   # ampx.integrations (tested: accelerate 1.16.0, transformers 5.24.0, lightning 2.6.6).
-  test)  need=("pytest>=7" "hypothesis>=6" numpy matplotlib tqdm deepspeed accelerate transformers "lightning>=2.4")
-         probe="import torch, pytest, hypothesis, numpy, matplotlib, tqdm, deepspeed, accelerate, transformers, lightning, setuptools, wheel" ;;
+  # nvidia-cuda-nvcc-cu12 brings the CUDA 12 ptxas that builds the kernels for every R525+
+  # driver (setup.py's top says how; ~40 MB, no GPU needed).
+  test)  need=("pytest>=7" "hypothesis>=6" numpy matplotlib tqdm deepspeed accelerate transformers "lightning>=2.4"
+              "nvidia-cuda-nvcc-cu12==12.9.*")
+         probe="import torch, pytest, hypothesis, numpy, matplotlib, tqdm, deepspeed, accelerate, transformers, lightning, setuptools, wheel, nvidia.cuda_nvcc" ;;
 esac
 if ! "$V/python" -c "$probe" 2>/dev/null; then
   pip_q --upgrade pip

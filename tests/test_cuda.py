@@ -6,8 +6,9 @@ checks the GPU's bits against ampx's CPU kernels). This file keeps the rest.
 
 Everywhere (no GPU needed):
   * ampx imports; ampx.cuda says whether it is available and, when not, why;
-  * the fatbin was built into the package when nvcc is present, with SASS for sm_80, sm_86,
-    sm_89, sm_90 and PTX for compute_90;
+  * the fatbin was built into the package when nvcc is present, with SASS for sm_80, 86, 89,
+    90, 100, 120 and PTX for compute_80, by CUDA 12 when its ptxas is installed, and the toolkit
+    recorded beside it;
   * the C host layer validates CUDA calls before touching the driver, and reports a missing
     driver as an exception;
   * the multi-tensor launcher (csrc/cuda_launch.c), compiled against a fake driver that records
@@ -127,18 +128,34 @@ def test_fatbin_was_built_into_the_package_with_every_arch():
     entries = _fatbin_entries(data)
     sass = sorted(arch for kind, arch, _ in entries if kind == 2)
     ptx = sorted(arch for kind, arch, _ in entries if kind == 1)
-    assert sass == [80, 86, 89, 90], entries
-    assert ptx == [90]
+    info = ampx.cuda.build_info()
+    # Blackwell SASS needs CUDA 12.8 (an older toolkit leaves those GPUs to the PTX).
+    want = [80, 86, 89, 90, 100, 120] if info.get("sass_toolkit", 0) >= 12080 else [80, 86, 89, 90]
+    assert sass == want, ([(k, a) for k, a, _ in entries], info)
+    assert ptx == [80]
     for kind, arch, payload in entries:  # the container's arch agrees with each cubin's own
         if kind == 2:
             assert _elf_sm(payload) == arch
-    tool = shutil.which("cuobjdump") or (os.path.join(os.path.dirname(_find_nvcc()), "cuobjdump"))
-    if os.path.isfile(tool):
-        listing = subprocess.run([tool, "--list-elf", "--list-ptx", path], capture_output=True, text=True,
-                                 check=True).stdout
-        for a in ("sm_80", "sm_86", "sm_89", "sm_90"):
-            assert a in listing, listing
-        assert "compute_90" in listing or "sm_90.ptx" in listing, listing
+    assert info["sass"] == sass and info["ptx"] == ptx, info
+    # The PTX's ISA version is one the recorded toolkit's ptxas (and so that release's driver)
+    # accepts: CUDA 12.9 -> 8.8, 13.0 -> 9.0. (The PTX travels uncompressed here.)
+    isa = {12080: b"8.7", 12090: b"8.8", 13000: b"9.0"}.get(info["ptx_toolkit"])
+    if isa is not None:
+        assert b"\n.version " + isa + b"\n" in data, info
+
+
+def test_fatbin_prefers_a_cuda12_ptxas_so_old_drivers_load_it():
+    """With the nvidia-cuda-nvcc-cu12 package present (CI installs it), the SASS comes from CUDA
+    12 (any R525+ driver loads it), whatever release the system nvcc is."""
+    if not os.path.isfile(ampx.cuda.fatbin_path()):
+        pytest.skip("ampx was built without its CUDA kernels")
+    import importlib.util
+
+    if importlib.util.find_spec("nvidia") is None or not any(
+            os.path.isfile(os.path.join(p, "cuda_nvcc", "bin", "ptxas"))
+            for p in importlib.util.find_spec("nvidia").submodule_search_locations):
+        pytest.skip("nvidia-cuda-nvcc-cu12 is not installed (pip install nvidia-cuda-nvcc-cu12)")
+    assert 12080 <= ampx.cuda.build_info()["sass_toolkit"] < 13000, ampx.cuda.build_info()
 
 
 def test_cuda_entry_points_validate_before_the_driver():
@@ -498,7 +515,9 @@ class Emulator:
         return out
 
     def cast(self, srcs, dst_dtypes, *, factor=1.0, factor_dev=False, stochastic=False, seed=0, offset=0,
-             found=False, flags=False, grid_cap=0, mis_src=0, mis_dst=0):
+             rng_dev=False, found=False, flags=False, grid_cap=0, mis_src=0, mis_dst=0):
+        """rng_dev: seed and offset travel in "device memory" (the kernel reads them there) and
+        the job's own seed/offset fields hold other values."""
         ar = Arena()
         so = [ar.tensor(t, mis_src) for t in srcs]
         dsts = [torch.full((t.numel(),), 7.0, dtype=dt) for t, dt in zip(srcs, dst_dtypes)]
@@ -507,8 +526,11 @@ class Emulator:
         fo = ar.put(struct.pack("<f", factor)) if factor_dev else -1
         found_o = ar.put(b"\0" * 4) if found else -1
         flags_o = ar.put(b"\xff" * n) if flags else -1
-        job = (f"cast {int(stochastic)} {seed} {offset} {float(factor).hex()} {fo} {found_o} {flags_o} {grid_cap} "
-               f"{n}\n")
+        rng_o = ar.put(struct.pack("<QQ", seed, offset)) if rng_dev else -1
+        if rng_dev:
+            seed, offset = (seed + 1) % 2**64, (offset + 12345) % 2**64
+        job = (f"cast {int(stochastic)} {seed} {offset} {rng_o} {float(factor).hex()} {fo} {found_o} {flags_o} "
+               f"{grid_cap} {n}\n")
         job += "".join(f"{DT_CODE[d.dtype]} {DT_CODE[s.dtype]} {s.numel()} {o2} {o1}\n"
                        for s, d, o1, o2 in zip(srcs, dsts, so, do))
         buf = self.run(job, ar)
@@ -634,9 +656,12 @@ def test_emulated_cast_matches_cpu(emulator, src, dst, rng):
 def test_emulated_stochastic_rounding_matches_cpu(emulator, src, rng):
     sizes = _emu_sizes(emulator.block, big=False) + [2 * CHUNK + 5]
     srcs = [special_values(src, n, rng) for n in sizes]
-    for seed, offset, cap in ((0, 0, 0), (123, 9, 2), (2**64 - 1, 2**63 + 5, 0)):
+    for seed, offset, cap, rng_dev in ((0, 0, 0, False), (123, 9, 2, False), (2**64 - 1, 2**63 + 5, 0, False),
+                                       (123, 9, 2, True), (2**64 - 1, 2**63 + 5, 0, True)):
+        # rng_dev: the kernel reads seed and offset from device memory (MasterWeights on CUDA,
+        # so that a CUDA graph's replays take the offset the tensor holds then).
         got = emulator.cast(srcs, [torch.bfloat16] * len(srcs), factor=0.5, stochastic=True, seed=seed, offset=offset,
-                            grid_cap=cap)
+                            rng_dev=rng_dev, grid_cap=cap)
         dc = [torch.empty(t.numel(), dtype=torch.bfloat16) for t in srcs]
         ops.cast_(srcs, dc, inv_scale=0.5, rounding="stochastic", seed=seed, offset=offset)
         for i, (a, b) in enumerate(zip(got["dsts"], dc)):
