@@ -397,6 +397,15 @@ def _ddp_worker(rank, world, store_dir, out_dir):
             res["refused"] = None
         except ValueError as e:
             res["refused"] = str(e)
+        # built over the parameters (DDP not in sight): the hook refuses DDP's bucket views
+        ddp = torch.nn.parallel.DistributedDataParallel(make_model(), gradient_as_bucket_view=True)
+        ampx.GradBuffer(ddp.module)
+        res["hook_refused"] = None
+        try:
+            for _ in range(2):
+                ddp(torch.randn(4, 8)).sum().backward()
+        except RuntimeError as e:
+            res["hook_refused"] = str(e)
     except Exception:
         import traceback
 
@@ -421,6 +430,7 @@ def test_ddp_copies_averaged_gradients_into_the_views(tmp_path):
         assert "error" not in res, f"rank {r}:\n{res.get('error')}"
         assert res[True]["views"], f"rank {r}: gradients left the buffer"
         assert "gradient_as_bucket_view=True" in res["refused"]
+        assert "is a view into another buffer" in res["hook_refused"]
         for a, b in zip(itertools.chain(*res[True]["grads"]), itertools.chain(*res[False]["grads"])):
             assert_bits_equal(a, b)
         for a, b in zip(res[True]["params"], res[False]["params"]):
