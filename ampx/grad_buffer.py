@@ -58,6 +58,8 @@ class GradBuffer:
           ``p.grad`` that is a view of some other buffer (DDP's ``gradient_as_bucket_view=True``)
           is refused with a RuntimeError, because the two would copy back and forth every step.
           ``p.grad.data = other`` cannot be seen by the hook; ``check()`` finds it.
+        - ``backward(create_graph=True)`` builds gradients that carry a graph: they stay
+          autograd's own tensors (not views) until the next ``zero_grad``.
         - Casting or moving the model (``model.to(...)``, ``.half()``) after building the buffer
           is refused at the next backward (build the buffer after the model is in its final
           dtype and device, and after ``ampx.MasterWeights`` has cast it).
@@ -116,7 +118,10 @@ class GradBuffer:
     def _hook_for(self, i):
         # The closure holds the index, not the parameter: hooks live on the parameter itself.
         def reattach(p):
-            if p.grad is not self._views[i]:
+            g = p.grad
+            # backward(create_graph=True) leaves a gradient with a graph (a gradient penalty
+            # differentiates through it): that one stays autograd's
+            if g is not self._views[i] and not g.requires_grad:
                 self._adopt(i, p)
         return reattach
 

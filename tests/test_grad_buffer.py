@@ -348,6 +348,26 @@ def test_sparse_gradients_and_bad_parameters_are_refused():
         ampx.GradBuffer([torch.ones(3, requires_grad=True) * 2])
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_create_graph_keeps_autograds_gradients():
+    model, ref = make_model(), make_model()
+    buf = ampx.GradBuffer(model)
+    x = torch.randn(3, 8)
+    for m in (model, ref):
+        m(x).square().sum().backward(create_graph=True)
+        # a gradient penalty differentiates through the gradients
+        sum(p.grad.square().sum() for p in m.parameters() if p.grad is not None).backward()
+    w = model[0].weight
+    assert w.grad.requires_grad and w.grad is not buf.view(w)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            assert_bits_equal(p.grad, q.grad)
+    model.zero_grad()
+    model(x).sum().backward()
+    assert_back_to_back(buf, torch.optim.SGD(model.parameters()))
+
+
 def test_close_removes_the_hooks():
     model = make_model()
     buf = ampx.GradBuffer(model)
