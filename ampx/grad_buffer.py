@@ -89,6 +89,7 @@ class GradBuffer:
         self._params = _trainable(_ordered_params(params), self._describe)
         if not self._params:
             raise ValueError("GradBuffer: no parameter with requires_grad=True to hold gradients for")
+        self._index = {id(p): i for i, p in enumerate(self._params)}
         self._buffers = {}  # (dtype, device) -> flat tensor, in first-seen order
         self._views = []  # one per parameter, same order
         self._layout = []  # (key, offset) per parameter
@@ -104,6 +105,9 @@ class GradBuffer:
             key = (p.dtype, p.device)
             self._layout.append((key, sizes.get(key, 0)))
             sizes[key] = sizes.get(key, 0) + p.numel()
+        for p in self._params:  # checked before any p.grad changes
+            if p.grad is not None:
+                _check_dense(p.grad, self._describe(p))
         for key, n in sizes.items():
             self._buffers[key] = torch.zeros(n, dtype=key[0], device=key[1])
         with torch.no_grad():
@@ -111,7 +115,6 @@ class GradBuffer:
                 view = _view_like(self._buffers[key], offset, p)
                 self._views.append(view)
                 if p.grad is not None:  # keep what has accumulated so far
-                    _check_dense(p.grad, self._describe(p))
                     view.copy_(p.grad)
                     p.grad = view
 
@@ -164,9 +167,9 @@ class GradBuffer:
 
     def view(self, param):
         """The view that holds ``param``'s gradient."""
-        for p, v in zip(self._params, self._views):
-            if p is param:
-                return v
+        i = self._index.get(id(param))
+        if i is not None:
+            return self._views[i]
         raise KeyError(f"GradBuffer: {self._describe(param)} is not covered by this buffer")
 
     @property
@@ -202,8 +205,9 @@ class GradBuffer:
             if g is None:
                 continue
             flat = self._buffers[key]
-            where = flat.data_ptr() + offset * flat.element_size()
-            if g is not v or g.data_ptr() != where or g.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+            at = flat.data_ptr() + offset * flat.element_size()
+            same_storage = g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+            if g is not v or g.data_ptr() != at or not same_storage:
                 bad.append(self._describe(p))
         if bad:
             raise RuntimeError(f"GradBuffer: {len(bad)} gradient(s) are not views of the buffer: "

@@ -340,6 +340,12 @@ def test_sparse_gradients_and_bad_parameters_are_refused():
     ampx.GradBuffer(emb)
     with pytest.raises(RuntimeError, match="sparse_coo gradient; GradBuffer holds dense"):
         emb(torch.tensor([1, 2])).sum().backward()
+    # refused whole: the dense parameter before it keeps its own gradient
+    dense = torch.nn.Parameter(torch.ones(3))
+    dense.grad = g = torch.ones(3)
+    with pytest.raises(RuntimeError, match="sparse_coo gradient"):
+        ampx.GradBuffer([dense, emb.weight])
+    assert dense.grad is g
     with pytest.raises(TypeError, match=r"params\[1\] is a int"):
         ampx.GradBuffer([torch.nn.Parameter(torch.ones(2)), 3])
     with pytest.raises(ValueError, match="no parameter with requires_grad=True"):
