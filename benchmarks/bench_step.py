@@ -39,6 +39,7 @@ import ampx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import model_shapes  # noqa: E402
+from bench_kernels import cpu_snapshot, interference  # noqa: E402
 
 REAL = ("lora", "gpt2", "gpt2-medium")
 # (ampx's added time / torch's) targets of issue 17, per set and optimizer
@@ -248,15 +249,19 @@ def main(argv=None):
         print(header)
         print("-" * len(header))
         for name, shapes, kw, max_norm, target, buffer, _ in cases:
+            snap = cpu_snapshot()
             r = bench_case(shapes, kw, repeats, max_norm, buffer, 1 if key == "synthetic" else args.inner)
-            r.update(case=name, set=key, target=target, buffer=buffer)
+            noise = interference(snap, cpu_snapshot())
+            r.update(case=name, set=key, target=target, buffer=buffer, interference=noise)
             r["pass"] = None if target is None else bool(r["ratio_median"] <= target)
             results.append(r)
             verdict = "(extra case)" if target is None else f"{'PASS' if r['pass'] else 'FAIL'} (<= {target:.2f})"
             spread = f"[{r['ratio_min']:.2f}-{r['ratio_max']:.2f}]"
             print(f"{name:<44} {r['bare_ms']:8.2f} {r['torch_added_ms']:8.2f} {r['ampx_added_ms']:8.2f} "
                   f"{r['ratio_median']:5.2f} {spread:>11} {r['ampx_gbps']:6.1f} {r['of_ceiling']:7.2f}  {verdict}"
-                  + ("" if key == "synthetic" else f"  x{r['inner']}"),
+                  + ("" if key == "synthetic" else f"  x{r['inner']}")
+                  + (f"  [other load {noise['other_cores_avg']:.1f} cores]"
+                     if noise and noise["other_cores_avg"] > 0.1 else ""),
                   flush=True)
     print()
     print("torch + / ampx +: ms each scaler path adds over the bare optimizer step (medians).")
@@ -265,6 +270,8 @@ def main(argv=None):
     print(f"GB/s: bytes ampx's added passes move (fused: the gradients read once; foreach + clip: read, then read "
           f"and written) / ampx's added time; of ceil: that / the x.mul_(1.0) bandwidth over the same bytes in the "
           f"same loop (target >= {CEILING_TARGET}).")
+    print("[other load N cores]: CPU time other processes took during that case (from /proc/stat): "
+          "its figures are disturbed.")
     if args.quick:
         print("--quick: scaled-down shapes; the verdicts are indicative only.")
     if args.json:
