@@ -116,6 +116,8 @@ def train(model_fn, opt_name, *, dtype, set_to_none, use_buf, steps=5, accum=2, 
         norm = scaler.clip_grad_norm_(opt, clip)
         scaler.step(opt)
         scaler.update()
+        if buf is not None:
+            buf.check()  # the scaler's passes and the step left every gradient in place
         report = scaler.overflow_report()
         seen.append({"grads": grads, "params": [p.detach().clone() for p in model.parameters()],
                      "norm": norm.clone(), "skipped": bool(scaler.last_step_skipped),
