@@ -23,7 +23,8 @@ norm ~1e3), each with separately allocated gradients and with an ``ampx.GradBuff
 gradient a view of one flat buffer, laid out in the optimizer's order). Memory: about five times
 the parameters' float32 bytes (7 GB for gpt2-medium).
 
-    python benchmarks/bench_step.py [--shapes SETS] [--quick] [--repeats N] [--no-buffer] [--json PATH]
+    python benchmarks/bench_step.py [--shapes SETS] [--quick] [--repeats N] [--inner N] [--threads N]
+                                    [--no-buffer] [--json PATH]
 """
 import argparse
 import json
@@ -218,8 +219,15 @@ def main(argv=None):
                     help="runs per repetition, their median taken (default: enough for ~0.1 s of bare steps, "
                          "at most 25; 1 for synthetic)")
     ap.add_argument("--no-buffer", action="store_true", help="skip the GradBuffer variants of the real shapes")
+    ap.add_argument("--threads", type=int, metavar="N",
+                    help="torch.set_num_threads(N) (ampx follows it); 1 sidesteps a busy machine's stalls at "
+                         "thread barriers")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
     keys = []
     for k in args.shapes.split(","):
         k = k.strip()
