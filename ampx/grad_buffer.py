@@ -57,12 +57,14 @@ class GradBuffer:
           then the hook copies the result into the view and points ``p.grad`` back at it. A
           ``p.grad`` that is a view of some other buffer (DDP's ``gradient_as_bucket_view=True``)
           is refused with a RuntimeError, because the two would copy back and forth every step.
-          ``p.grad.data = other`` cannot be seen by the hook; ``check()`` finds it.
+          ``p.grad.data = other`` (which ``model.to(...)`` does to existing gradients) is refused
+          at the next backward; ``check()`` finds it at once.
         - ``backward(create_graph=True)`` builds gradients that carry a graph: they stay
           autograd's own tensors (not views) until the next ``zero_grad``.
         - Casting or moving the model (``model.to(...)``, ``.half()``) after building the buffer
-          is refused at the next backward (build the buffer after the model is in its final
-          dtype and device, and after ``ampx.MasterWeights`` has cast it).
+          is refused at the next backward, whether or not gradients existed (build the buffer
+          after the model is in its final dtype and device, and after ``ampx.MasterWeights``
+          has cast it).
 
     Not for sharded training: FSDP, FSDP2 and DeepSpeed own their gradient storage (FSDP1's flat
     parameters already are one buffer). With DDP use either DDP's ``gradient_as_bucket_view=True``
@@ -92,6 +94,7 @@ class GradBuffer:
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._buffers = {}  # (dtype, device) -> flat tensor, in first-seen order
         self._views = []  # one per parameter, same order
+        self._ptrs = []  # each view's data_ptr(), to see a swapped storage
         self._layout = []  # (key, offset) per parameter
         self._allocate()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i))
@@ -114,6 +117,7 @@ class GradBuffer:
             for p, (key, offset) in zip(self._params, self._layout):
                 view = _view_like(self._buffers[key], offset, p)
                 self._views.append(view)
+                self._ptrs.append(view.data_ptr())
                 if p.grad is not None:  # keep what has accumulated so far
                     view.copy_(p.grad)
                     p.grad = view
@@ -122,11 +126,22 @@ class GradBuffer:
         # The closure holds the index, not the parameter: hooks live on the parameter itself.
         def reattach(p):
             g = p.grad
+            if g is self._views[i]:
+                if g.data_ptr() != self._ptrs[i]:  # the view's storage swapped (p.grad.data = ...)
+                    self._moved(i, p)
+                return
             # backward(create_graph=True) leaves a gradient with a graph (a gradient penalty
             # differentiates through it): that one stays autograd's
-            if g is not self._views[i] and not g.requires_grad:
+            if not g.requires_grad:
                 self._adopt(i, p)
         return reattach
+
+    def _moved(self, i, p):
+        raise RuntimeError(
+            f"GradBuffer: the gradient of {self._describe(p)} no longer lives in the buffer: its storage was "
+            "replaced (p.grad.data = ..., or model.to(...) / .half() / .cuda() after the buffer was built, "
+            "which moves gradients that way). Build the GradBuffer after the model is in its final dtype "
+            "and device (and after ampx.MasterWeights has cast it).")
 
     def _adopt(self, i, p):
         """Copies p.grad (set, not the view) into the view and points p.grad at the view."""

@@ -317,6 +317,8 @@ def test_a_swapped_storage_is_found_by_check():
     model[3].bias.grad.data = torch.zeros(17)
     with pytest.raises(RuntimeError, match=r"1 gradient\(s\) .*'3.bias'"):
         buf.check()
+    with pytest.raises(RuntimeError, match="'3.bias' no longer lives in the buffer"):
+        model(torch.randn(3, 8)).sum().backward()
 
 
 def test_a_view_of_another_buffer_is_refused():
@@ -332,8 +334,14 @@ def test_a_view_of_another_buffer_is_refused():
 def test_a_cast_model_is_refused_at_the_next_backward():
     model = make_model()
     ampx.GradBuffer(model)
-    model.double()
+    model.double()  # no gradients yet: autograd's fresh float64 gradient meets a float32 view
     with pytest.raises(RuntimeError, match="cast or moved after the buffer was built"):
+        model(torch.randn(3, 8, dtype=torch.float64)).sum().backward()
+    model = make_model()
+    ampx.GradBuffer(model)
+    model(torch.randn(3, 8)).sum().backward()
+    model.double()  # with gradients: Module._apply swaps each view's storage (p.grad.data = ...)
+    with pytest.raises(RuntimeError, match="'5.bias' no longer lives in the buffer"):
         model(torch.randn(3, 8, dtype=torch.float64)).sum().backward()
 
 
