@@ -128,12 +128,13 @@ def bench_case(shapes, opt_kw, repeats, max_norm=1.0, buffer=False, inner=None):
     for setup, fn in runs.values():  # warm-up (allocates optimizer state)
         setup()
         fn()
-    # A repetition is the median of `inner` interleaved runs, enough for ~0.1 s of bare steps, so
-    # that sets of a few milliseconds (LoRA) are not one noisy sample each.
+    # A repetition is the median of `inner` interleaved runs, at least 3 and enough for ~0.1 s of
+    # bare steps, so that no repetition is one noisy sample (a LoRA step takes milliseconds; a
+    # foreach step of the 350M model is ~0.5 s, against a scaler that adds tens of ms).
     restore()
     t0 = time.perf_counter()
     run_bare()
-    inner = inner or max(1, min(25, round(0.1 / max(time.perf_counter() - t0, 1e-4))))
+    inner = inner or max(3, min(25, round(0.1 / max(time.perf_counter() - t0, 1e-4))))
     for r in range(repeats):
         rep = {k: [] for k in runs}
         for j in range(inner):
@@ -217,7 +218,7 @@ def main(argv=None):
                     help="timed repetitions per case (default 15 synthetic / 3 real shapes; 3 with --quick)")
     ap.add_argument("--inner", type=int, default=None,
                     help="runs per repetition, their median taken (default: enough for ~0.1 s of bare steps, "
-                         "at most 25; 1 for synthetic)")
+                         "3 to 25; 1 for synthetic)")
     ap.add_argument("--no-buffer", action="store_true", help="skip the GradBuffer variants of the real shapes")
     ap.add_argument("--threads", type=int, metavar="N",
                     help="torch.set_num_threads(N) (ampx follows it); 1 sidesteps a busy machine's stalls at "
