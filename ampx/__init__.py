@@ -38,6 +38,7 @@ if _simd:
         raise ImportError(f"AMPX_SIMD={_simd!r}: {e}") from None
 
 from . import cuda, ops  # noqa: E402
+from .grad_buffer import GradBuffer  # noqa: E402
 from .master import MasterWeights  # noqa: E402
 from .policy import PerformanceWarning, Policy  # noqa: E402
 from .prepare import prepare  # noqa: E402  (the function; the module is sys.modules['ampx.prepare'])
@@ -53,4 +54,4 @@ def __getattr__(name):
 
         return ShardedGradScaler
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-__all__ = ["ops", "cuda", "GradScaler", "ShardedGradScaler", "OverflowReport", "MasterWeights", "Policy", "PerformanceWarning", "prepare", "__version__"]
+__all__ = ["ops", "cuda", "GradScaler", "ShardedGradScaler", "OverflowReport", "MasterWeights", "GradBuffer", "Policy", "PerformanceWarning", "prepare", "__version__"]

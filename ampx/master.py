@@ -245,8 +245,11 @@ class MasterWeights(torch.optim.Optimizer):
             if p.grad is not None:
                 if set_to_none:
                     p.grad = None
-                else:
-                    p.grad.detach_()
+                else:  # as Optimizer.zero_grad: a view (GradBuffer, DDP buckets) refuses detach_()
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
                     p.grad.zero_()
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self._grads_ready = False

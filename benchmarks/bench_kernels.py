@@ -20,8 +20,17 @@ for unscale), so repeated runs leave the data (standard-normal values) as they
 were; no reset is needed between repetitions. Neither ampx nor torch skips the
 multiply/store for 1.0 (torch's kernel still stores every element).
 
+Real parameter shapes (``--shapes``; benchmarks/model_shapes.py builds them from configs, no
+weights): GPT-2 124M, a 350M decoder (GPT-2 medium) and a LoRA set (rank 8 on every linear of a
+24-layer d=1024 decoder), each as separately allocated tensors and as ``ampx.GradBuffer``-style
+views of one flat buffer laid back to back, through unscale_, norm, unscale_norm_ and mul_
+against torch and the ceiling.
+
 Usage:
-    python benchmarks/bench_kernels.py [--quick] [--simd LEVEL] [--threads N] [--json PATH]
+    python benchmarks/bench_kernels.py [--shapes SETS] [--quick] [--simd LEVEL] [--threads N] [--json PATH]
+
+--shapes takes a comma-separated list of: synthetic (the 64M and 10,000 x 1,000 cases and their
+targets), lora, gpt2, gpt2-medium, real (the three), all (the default).
 
 The exit code is 0 whatever the PASS/FAIL verdicts: this is a report.
 """
@@ -41,6 +50,11 @@ import torch
 import ampx
 from ampx import _C
 from ampx import ops
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import model_shapes  # noqa: E402
+
+REAL = ("lora", "gpt2", "gpt2-medium")
 
 M = 1 << 20
 
@@ -352,6 +366,114 @@ def run_breakdown(bench, case, ts, inv):
             "per_tensor_overhead_us": per_tensor_us, "python_attr_read_us_per_tensor": attr / n * 1e6}
 
 
+# --------------------------------------------------------------------------- real shapes
+
+def shape_tensors(shapes, layout, seed):
+    """Standard-normal float32 tensors of the given shapes: "separate" (one allocation each, as
+    autograd leaves gradients) or "buffer" (views of one flat tensor, back to back in list order,
+    as ampx.GradBuffer lays them out)."""
+    g = torch.Generator().manual_seed(seed)
+    if layout == "separate":
+        return [torch.randn(s, generator=g) for s in shapes]
+    flat = torch.randn(sum(model_shapes.numel(s) for s in shapes), generator=g)
+    out, off = [], 0
+    for s in shapes:
+        n = model_shapes.numel(s)
+        out.append(flat[off:off + n].view(s))
+        off += n
+    return out
+
+
+def run_shape_set(bench, key, quick):
+    """unscale_ / norm / unscale_norm_ / mul_ over one real parameter set, in both layouts."""
+    title, named = model_shapes.shape_set(key, quick)
+    shapes = [s for _, s in named]
+    out = {}
+    for layout in ("separate", "buffer"):
+        ts = shape_tensors(shapes, layout, seed=7)
+        nb = total_bytes(ts)
+        case = f"{key} {layout}"
+        print()
+        print(f"=== {title}, {'one allocation per tensor' if layout == 'separate' else 'views of one buffer'}: "
+              f"{len(ts)} float32 tensors, {nb / 4 / M:.1f} Mi elements, {nb / 1e6:.1f} MB")
+        print_table_header()
+        inv = torch.ones(1)
+        fi_a, fi_t = torch.zeros(1), torch.zeros(1)
+        recs = {}
+        recs["unscale_"] = bench.measure(
+            case, "unscale_", 2 * nb, "rw", lambda: ops.unscale_(ts, inv, fi_a),
+            {"torch._amp_foreach_non_finite_check_and_unscale_":
+                lambda: torch._amp_foreach_non_finite_check_and_unscale_(ts, fi_t, inv)})
+        recs["norm"] = bench.measure(
+            case, "norm (L2)", nb, "r", lambda: ops.norm(ts),
+            {"torch._foreach_norm + vector_norm(stack)": lambda: torch_total_norm(ts)})
+
+        def torch_unscale_then_norm():
+            torch._amp_foreach_non_finite_check_and_unscale_(ts, fi_t, inv)
+            return torch_total_norm(ts)
+
+        recs["unscale_norm_"] = bench.measure(
+            case, "unscale_norm_", 2 * nb, "rw", lambda: ops.unscale_norm_(ts, inv, fi_a),
+            {"torch unscale + _foreach_norm + vector_norm": torch_unscale_then_norm})
+        recs["mul_"] = bench.measure(
+            case, "mul_", 2 * nb, "rw", lambda: ops.mul_(ts, 1.0),
+            {"torch._foreach_mul_": lambda: torch._foreach_mul_(ts, 1.0)})
+        if fi_a.item() != 0.0 or fi_t.item() != 0.0:
+            print(f"  WARNING: {case}: found_inf was set on finite data")
+        out[layout] = recs
+        del ts
+        gc.collect()
+    print()
+    print(f"--- {title}: ampx's share of the ceiling (separate -> buffer), torch time / ampx time")
+    for op in ("unscale_", "norm", "unscale_norm_", "mul_"):
+        a = [next(r for r in out[lay][op]["rows"] if r["impl"] == "ampx") for lay in ("separate", "buffer")]
+        t = [next(r for r in out[lay][op]["rows"] if r["ratio"] is not None) for lay in ("separate", "buffer")]
+        print(f"  {op:<14} of ceiling {a[0]['frac_ceiling']:.2f} -> {a[1]['frac_ceiling']:.2f}   "
+              f"vs torch {t[0]['ratio']:.2f}x -> {t[1]['ratio']:.2f}x")
+    return out
+
+
+def run_synthetic(bench, big, count, numel, quick):
+    """The 64M and count x numel cases of float32 and bfloat16, and their targets."""
+    big_label = f"{big // M}M"
+    many_label = f"{count:,}x{numel:,}"
+    cases = [
+        (f"A f32 1x{big_label}", 1, big, torch.float32, 1, False),
+        (f"B f32 {many_label}", count, numel, torch.float32, 2, True),
+        (f"C bf16 1x{big_label}", 1, big, torch.bfloat16, 3, False),
+        (f"D bf16 {many_label}", count, numel, torch.bfloat16, 4, True),
+    ]
+    case_out = {}
+    for name, c, n, dt, seed, bd in cases:
+        case_out[name] = run_case(bench, name, c, n, dt, seed, bd)
+
+    # ---- targets
+    A = case_out[cases[0][0]]
+    B = case_out[cases[1][0]]
+
+    def row(rec, impl_prefix):
+        return next(r for r in rec["rows"] if r["impl"].startswith(impl_prefix))
+
+    t1 = row(A["unscale_"], "ampx")["frac_ceiling"]
+    t2 = row(A["unscale_norm_"], "torch")["ratio"]
+    t3 = row(B["unscale_"], "torch")["ratio"]
+    targets = [
+        {"name": f"unscale_ on {big_label} float32 reaches >= 0.9 of the mul_ ceiling",
+         "value": t1, "threshold": 0.9, "unit": "of ceiling", "pass": t1 >= 0.9},
+        {"name": f"unscale_norm_ on {big_label} float32 >= 1.8x faster than torch unscale + norm",
+         "value": t2, "threshold": 1.8, "unit": "x", "pass": t2 >= 1.8},
+        {"name": f"unscale_ on {count:,} x {numel:,} float32 >= 5x faster than torch",
+         "value": t3, "threshold": 5.0, "unit": "x", "pass": t3 >= 5.0},
+    ]
+    print()
+    print("=== targets" + ("  (--quick: reduced sizes, indicative only)" if quick else ""))
+    for t in targets:
+        verdict = "PASS" if t["pass"] else "FAIL"
+        val = f"{t['value']:.2f}{' ' if t['unit'] != 'x' else ''}{t['unit']}"
+        print(f"{verdict}: {t['name']}: measured {val} (target >= {t['threshold']})")
+    return case_out, targets
+
+
 # --------------------------------------------------------------------------- machine
 
 def cpu_model():
@@ -419,7 +541,16 @@ def main(argv=None):
     p.add_argument("--simd", metavar="LEVEL", help="force an ampx SIMD level (avx512, avx2, portable)")
     p.add_argument("--threads", type=int, metavar="N", help="torch.set_num_threads(N) (ampx follows it)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--shapes", default="all", metavar="SETS",
+                   help="comma-separated: synthetic, lora, gpt2, gpt2-medium, real (the three models), all")
     args = p.parse_args(argv)
+    sets = []
+    for k in args.shapes.split(","):
+        for e in {"all": ["synthetic", *REAL], "real": list(REAL)}.get(k.strip(), [k.strip()]):
+            if e != "synthetic" and e not in model_shapes.SETS:
+                p.error(f"--shapes: unknown set {e!r} (choose from synthetic, {', '.join(REAL)}, real, all)")
+            if e not in sets:
+                sets.append(e)
 
     if args.threads is not None:
         if args.threads < 1:
@@ -455,47 +586,23 @@ def main(argv=None):
     if "loadavg_at_start" in info:
         print("load:    1/5/15-min load average at start: " + " / ".join(f"{x:.2f}" for x in info["loadavg_at_start"]))
     print(f"repeats: median of {bench.reps_small} (small cases) / {bench.reps_big} (>= 200 MB moved), "
-          f"{bench.warmup} warm-up, contenders interleaved")
+          f"{bench.warmup} warm-up, contenders interleaved; real shapes: "
+          f"{'3' if args.quick else '11 / 5 (>= 200 MB moved)'}, 1 warm-up")
+    print(f"sets:    {', '.join(sets)}")
     print("GB/s: logical bytes (read+write for in-place/cast ops, read for norm) / median time. "
           "torch/ampx: torch time / ampx time. of ceiling: GB/s / ceiling GB/s measured in the same loop "
           "(float32 x.mul_(1.0) moving the same bytes for read-write ops, x.sum() over the same bytes for norm).")
 
-    big_label = f"{big // M}M"
-    many_label = f"{count:,}x{numel:,}"
-    cases = [
-        (f"A f32 1x{big_label}", 1, big, torch.float32, 1, False),
-        (f"B f32 {many_label}", count, numel, torch.float32, 2, True),
-        (f"C bf16 1x{big_label}", 1, big, torch.bfloat16, 3, False),
-        (f"D bf16 {many_label}", count, numel, torch.bfloat16, 4, True),
-    ]
-    case_out = {}
-    for name, c, n, dt, seed, bd in cases:
-        case_out[name] = run_case(bench, name, c, n, dt, seed, bd)
-
-    # ---- targets
-    A = case_out[cases[0][0]]
-    B = case_out[cases[1][0]]
-
-    def row(rec, impl_prefix):
-        return next(r for r in rec["rows"] if r["impl"].startswith(impl_prefix))
-
-    t1 = row(A["unscale_"], "ampx")["frac_ceiling"]
-    t2 = row(A["unscale_norm_"], "torch")["ratio"]
-    t3 = row(B["unscale_"], "torch")["ratio"]
-    targets = [
-        {"name": f"unscale_ on {big_label} float32 reaches >= 0.9 of the mul_ ceiling",
-         "value": t1, "threshold": 0.9, "unit": "of ceiling", "pass": t1 >= 0.9},
-        {"name": f"unscale_norm_ on {big_label} float32 >= 1.8x faster than torch unscale + norm",
-         "value": t2, "threshold": 1.8, "unit": "x", "pass": t2 >= 1.8},
-        {"name": f"unscale_ on {count:,} x {numel:,} float32 >= 5x faster than torch",
-         "value": t3, "threshold": 5.0, "unit": "x", "pass": t3 >= 5.0},
-    ]
-    print()
-    print("=== targets" + ("  (--quick: reduced sizes, indicative only)" if args.quick else ""))
-    for t in targets:
-        verdict = "PASS" if t["pass"] else "FAIL"
-        val = f"{t['value']:.2f}{' ' if t['unit'] != 'x' else ''}{t['unit']}"
-        print(f"{verdict}: {t['name']}: measured {val} (target >= {t['threshold']})")
+    case_out, targets = {}, []
+    if "synthetic" in sets:
+        case_out, targets = run_synthetic(bench, big, count, numel, args.quick)
+    real = {}
+    real_bench = (Bench(reps_small=3, reps_big=3, warmup=1, big_threshold=1 << 62) if args.quick else
+                  Bench(reps_small=11, reps_big=5, warmup=1, big_threshold=200 * 10**6))
+    for key in sets:
+        if key != "synthetic":
+            real[key] = run_shape_set(real_bench, key, args.quick)
+    bench.results.extend(real_bench.results)
     elapsed = time.perf_counter() - t_start
     noise = interference(snap0, cpu_snapshot())
     print(f"\ntotal benchmark time: {elapsed:.0f} s")
@@ -513,6 +620,8 @@ def main(argv=None):
             "results": bench.results,
             "breakdown": [v["breakdown"] for v in case_out.values() if "breakdown" in v],
             "targets": targets,
+            "real_shapes": {k: {lay: {op: rec for op, rec in recs.items()} for lay, recs in v.items()}
+                            for k, v in real.items()},
             "elapsed_s": elapsed,
             "interference": noise,
         }
