@@ -16,9 +16,9 @@ it needs). The CUDA release decides the drivers served: SASS from CUDA 12.x load
 on every R525+ driver, from CUDA 13 only on R580+. So a CUDA 12 ptxas is
 preferred: $AMPX_PTXAS, else the one of the nvidia-cuda-nvcc-cu12 package (pip
 install nvidia-cuda-nvcc-cu12; it ships ptxas but no nvcc). With it, nvcc (any
-release) writes PTX for compute_80, that PTX is stamped with the ISA version the
-CUDA 12 ptxas accepts (a PTX instruction that release lacks then fails the build,
-never the run), ptxas compiles each SASS target and fatbinary packs the lot.
+release) writes PTX for compute_80, that PTX is stamped with CUDA 12.0's ISA
+version, 8.0 (so every R525+ driver can JIT it; a PTX instruction that ISA lacks
+then fails the build, never the run), ptxas compiles each SASS target and fatbinary packs the lot.
 Without it nvcc builds everything itself (a CUDA 13 nvcc: R580+ drivers only). The C extension never links against CUDA: it opens libcuda.so.1 at
 run time and loads the fatbin through the driver API, so the same build
 imports everywhere. Neither step needs torch or a GPU.
@@ -71,8 +71,11 @@ BUILD_INFO_NAME = "_kernels.json"  # the toolkit that built the fatbin (read by 
 # SASS for each architecture; PTX for the first, the oldest (the driver compiles it for GPUs
 # newer than every SASS target). Blackwell (100, 120) needs CUDA 12.8 or newer.
 CUDA_ARCHS = ["80", "86", "89", "90", "100", "120"]
-# The PTX ISA version each CUDA 12 release's ptxas accepts at most (PTX ISA release notes).
-PTX_ISA_OF_CUDA12 = {0: "8.0", 1: "8.1", 2: "8.2", 3: "8.3", 4: "8.4", 5: "8.5", 6: "8.5", 8: "8.7", 9: "8.8"}
+# The PTX is stamped with CUDA 12.0's ISA version (8.0), so every driver that loads the CUDA 12
+# SASS (R525+) can also JIT the PTX. Every CUDA 12 ptxas accepts it, and rejects an instruction
+# that ISA lacks, so the stamp can never hide a newer instruction. (Measured with ptxas 12.9:
+# the SASS is byte-identical whether the PTX says 8.0 or 8.8, for sm_80 to sm_120.)
+PTX_ISA, PTX_ISA_RELEASE = "8.0", (12, 0)
 
 
 def is_x86_64():
@@ -172,13 +175,10 @@ def run_logged(cmd):
 
 
 def build_with_ptxas12(nvcc, ptxas, release, out, tmpdir):
-    """The CUDA 12 route (see the top): nvcc's PTX for the oldest arch, restamped with the ISA
-    version `ptxas` (CUDA 12.`release[1]`) accepts, ptxas for each SASS target in parallel,
+    """The CUDA 12 route (see the top): nvcc's PTX for the oldest arch, restamped with CUDA
+    12.0's ISA version (PTX_ISA), ptxas (CUDA 12.`release[1]`) for each SASS target in parallel,
     fatbinary to pack them. Raises CalledProcessError/RuntimeError on failure."""
-    isa = PTX_ISA_OF_CUDA12.get(release[1])
-    if isa is None:
-        raise RuntimeError(f"ptxas {ptxas} is CUDA {release[0]}.{release[1]}, whose PTX ISA version "
-                           "ampx does not know; set AMPX_PTXAS to a CUDA 12.8 or 12.9 ptxas")
+    isa = PTX_ISA
     first = CUDA_ARCHS[0]
     ptx = os.path.join(tmpdir, f"ampx_kernels.compute_{first}.ptx")
     run_logged([nvcc] + nvcc_flags() + ["-ptx", f"-arch=compute_{first}", "-o", ptx, CUDA_SOURCE])
@@ -280,7 +280,7 @@ class BuildExt(build_ext):
         if ptxas_release is not None and (12, 8) <= ptxas_release < (13, 0):
             with tempfile.TemporaryDirectory(dir=scratch_dir("cuda")) as work:
                 build_with_ptxas12(nvcc, ptxas, ptxas_release, tmp, work)
-            return build_info(ptxas_release, ptxas_release, CUDA_ARCHS)
+            return build_info(ptxas_release, PTX_ISA_RELEASE, CUDA_ARCHS)
         if ptxas is not None:
             print(f"ampx: WARNING: {ptxas} is not a CUDA 12.8+ ptxas; nvcc builds everything", file=sys.stderr)
         elif nvcc_release[0] > 12:

@@ -66,7 +66,7 @@ def _built():
 
 
 def build_info():
-    """What built the fatbin: ``{"sass_toolkit": 12090, "ptx_toolkit": 12090, "sass": [80, ...],
+    """What built the fatbin: ``{"sass_toolkit": 12090, "ptx_toolkit": 12000, "sass": [80, ...],
     "ptx": [80]}`` (CUDA releases as ``cuDriverGetVersion`` numbers), or {} when unknown."""
     try:
         with open(_BUILD_INFO) as f:
