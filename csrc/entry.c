@@ -91,6 +91,8 @@ PyObject *py_scale_reduce(PyObject *module, PyObject *args, PyObject *kwargs)
         goto done;
     if ((device < 0 ? cpu_scale_reduce(st, &c) : cuda_scale_reduce(st, &c)) < 0)
         goto done;
+    if (write && tlist_bump_versions(st, &c.L) < 0) /* written: as torch's in-place ops */
+        goto done;
     result = new_ref(Py_None);
 done:
     tlist_free(&c.L);
@@ -127,6 +129,8 @@ PyObject *py_cast(PyObject *module, PyObject *args, PyObject *kwargs)
         check_outputs(st, &c, found_o, flags_o, c.S.n) < 0 || cast_prepare(st, op, &c.S, &c.D) < 0)
         goto done;
     if ((c.at.device < 0 ? cpu_cast(st, &c) : cuda_cast(st, &c)) < 0)
+        goto done;
+    if (tlist_bump_versions(st, &c.D) < 0)
         goto done;
     result = new_ref(Py_None);
 done:

@@ -33,6 +33,8 @@ void tlist_free(tlist *L)
     free(L->lo);
     free(L->hi);
     free(L->layout);
+    free(L->impl);
+    free(L->bump_py);
     memset(L, 0, sizeof *L);
 }
 
@@ -165,8 +167,10 @@ static int tlist_alloc(const char *op, const char *arg, PyObject *seq, tlist *L)
     L->lo = (uintptr_t *)calloc(m, sizeof *L->lo);
     L->hi = (uintptr_t *)calloc(m, sizeof *L->hi);
     L->layout = (uint64_t *)calloc(m, sizeof *L->layout);
+    L->impl = (uintptr_t *)calloc(m, sizeof *L->impl);
+    L->bump_py = (unsigned char *)calloc(m, 1);
     if (L->ts == NULL || L->nc == NULL || L->neg == NULL || L->tmp == NULL || L->lo == NULL || L->hi == NULL ||
-        L->layout == NULL) {
+        L->layout == NULL || L->impl == NULL || L->bump_py == NULL) {
         tlist_free(L);
         PyErr_NoMemory();
         return -1;
@@ -223,12 +227,98 @@ static int read_by_attributes(mstate *st, const char *op, const char *arg, PyObj
     return 0;
 }
 
+/* ---- version counters and inference tensors -------------------------------- */
+
+/* Whether torch.inference_mode() is on in this thread: 1, 0, or -1 with an
+ * exception set. */
+static int inference_mode(mstate *st)
+{
+    if (ampx_shim_versions_on())
+        return ampx_shim_inference_mode();
+    if (st->inference_mode_fn == NULL)
+        return 0;
+    PyObject *r = PyObject_CallObject(st->inference_mode_fn, NULL);
+    if (r == NULL)
+        return -1;
+    int on = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return on;
+}
+
+static int inference_error(const char *op, const char *arg, Py_ssize_t i)
+{
+    /* torch's rule and advice, in ampx's form (op, argument, position). */
+    PyErr_Format(PyExc_RuntimeError,
+                 "%s: %s[%zd] is an inference tensor, and in-place updates to inference tensors outside "
+                 "torch.inference_mode() are not allowed; make a clone to get a normal tensor, or call "
+                 "this inside torch.inference_mode() (nothing was written)",
+                 op, arg, i);
+    return -1;
+}
+
+/* For tensor i (t) of a written list: refuses an inference tensor outside
+ * inference mode (`infmode`), and notes how its counter will be bumped. */
+static int note_version(mstate *st, const char *op, const char *arg, Py_ssize_t i, PyObject *t, int infmode,
+                        tlist *L)
+{
+    if (ampx_shim_versions_on() && is_plain(st, t)) {
+        if (ampx_shim_version_counter(ampx_shim_handle(t)) == 0) /* no counter: an inference tensor */
+            return infmode ? 0 : inference_error(op, arg, i);
+        L->impl[i] = ampx_shim_impl_word(t);
+        return 0;
+    }
+    PyObject *r = call0(t, st->s_is_inference);
+    if (r == NULL)
+        return -1;
+    int inf = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (inf < 0)
+        return -1;
+    if (inf)
+        return infmode ? 0 : inference_error(op, arg, i);
+    L->bump_py[i] = 1;
+    return 0;
+}
+
+/* Prefetch distance (tensors) of the bump loop: TensorImpls, out of cache
+ * after the kernels streamed the data. */
+#define PF_BUMP 8
+
+int tlist_bump_versions(mstate *st, const tlist *L)
+{
+    Py_ssize_t npy = 0;
+    for (Py_ssize_t i = 0; i < L->n; i++) {
+        if (i + PF_BUMP < L->n && L->impl[i + PF_BUMP] != 0)
+            __builtin_prefetch((const void *)L->impl[i + PF_BUMP], 0, 3);
+        if (L->nc[i] || L->tmp[i] != NULL)
+            continue; /* written through a staged copy: its copy back (copy_) bumped it */
+        if (L->impl[i] != 0)
+            ampx_shim_bump(&L->impl[i]); /* a copy of the at::Tensor: one pointer, the tuple keeps it alive */
+        npy += L->bump_py[i];
+    }
+    if (npy == 0 || st->increment_version == NULL)
+        return 0;
+    PyObject *rest = PyList_New(npy);
+    if (rest == NULL)
+        return -1;
+    for (Py_ssize_t i = 0, k = 0; i < L->n; i++)
+        if (L->bump_py[i] && !L->nc[i] && L->tmp[i] == NULL)
+            PyList_SetItem(rest, k++, new_ref(tlist_item(L, i))); /* steals; cannot fail here */
+    PyObject *r = PyObject_CallFunctionObjArgs(st->increment_version, rest, NULL);
+    Py_DECREF(rest);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
 int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *seq, int write, int refuse_fp16,
                  int device, int want_neg, tlist *L)
 {
     if (tlist_alloc(op, arg, seq, L) < 0)
         return -1;
     int shim = ampx_shim_enabled();
+    int infmode = write ? inference_mode(st) : 0;
+    if (infmode < 0)
+        goto error;
     for (Py_ssize_t i = 0; i < L->n; i++) {
         PyObject *t = tlist_item(L, i);
         if (t == NULL)
@@ -256,6 +346,8 @@ int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *seq, int
             d->dtype = m.dtype;
             d->numel = m.numel;
             L->total += m.numel;
+            if (write && note_version(st, op, arg, i, t, infmode, L) < 0)
+                goto error;
             if (m.numel == 0)
                 continue;
             if (want_neg && neg_flag(st, t, &L->neg[i]) < 0)
@@ -265,7 +357,8 @@ int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *seq, int
             L->hi[i] = L->lo[i] + (uintptr_t)(m.numel * ampx_elem_size(m.dtype));
             continue;
         }
-        if (read_by_attributes(st, op, arg, t, i, write, refuse_fp16, device, want_neg, L) < 0) {
+        if (read_by_attributes(st, op, arg, t, i, write, refuse_fp16, device, want_neg, L) < 0 ||
+            (write && note_version(st, op, arg, i, t, infmode, L) < 0)) {
             with_context(op, arg, i);
             goto error;
         }

@@ -29,6 +29,9 @@ typedef struct {
     PyObject **tmp;        /* n: owned contiguous copies, or NULL */
     uintptr_t *lo, *hi;    /* n: the memory each tensor's elements span (its own, not a copy's) */
     uint64_t *layout;      /* n: fingerprint of a non-contiguous tensor's sizes and strides (else 0) */
+    uintptr_t *impl;       /* n, written lists: the at::Tensor word (TensorImpl address) of a tensor
+                              whose counter C bumps itself (tlist_bump_versions), else 0 */
+    unsigned char *bump_py;/* n, written lists: bumped through Python (state's increment_version) */
     int any_nc;
     int64_t total;         /* elements in all */
 } tlist;
@@ -44,9 +47,18 @@ void tlist_free(tlist *L);
  * itself; its non-contiguous tensors are staged later (tlist_each_staged). A
  * read-only list gets contiguous copies of them here. `refuse_fp16` raises
  * torch's "Attempting to unscale FP16 gradients."; `want_neg` records each
- * tensor's negative bit in L->neg. */
+ * tensor's negative bit in L->neg. A written list may hold an inference
+ * tensor only inside torch.inference_mode() (torch's rule for in-place
+ * updates); its version counters are noted for tlist_bump_versions. */
 int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *seq, int write, int refuse_fp16,
                  int device, int want_neg, tlist *L);
+
+/* After a written list's kernels succeeded: adds one to each written
+ * tensor's version counter, as torch's in-place ops do (inference tensors,
+ * allowed inside torch.inference_mode() only, have none). Plain tensors are
+ * bumped from C (torch_shim.h), the others through the state's
+ * increment_version. */
+int tlist_bump_versions(mstate *st, const tlist *L);
 
 /* Whether a written list must be processed one tensor at a time, in list
  * order (it has a non-contiguous tensor, or two of its tensors share memory):

@@ -32,11 +32,53 @@ static struct {
     int32_t dt[AMPX_NUM_DTYPES]; /* torch's dtype value for each ampx code */
     int32_t cpu, cuda, strided;
     int storage_offset; /* byte offset of the StorageImpl pointer in a TensorImpl, or -1 */
+    /* autograd's version counters (optional: exported C++ functions, see torch_shim.h) */
+    const void *(*version_counter)(const void *);
+    void (*bump_version)(const void *);
+    bool (*inference_mode)(void);
+    int versions_on;
 } S = {.storage_offset = -1};
 
 int ampx_shim_enabled(void) { return S.enabled; }
 int ampx_shim_opened(void) { return S.opened; }
 void ampx_shim_set_enabled(int on) { S.enabled = on && S.opened; }
+
+/* Looks up the version-counter functions (torch_shim.h); any missing leaves
+ * them off. Itanium-mangled names of functions taking `const at::Tensor&`,
+ * which is the address of an at::Tensor: what ampx_shim_handle returns. */
+static void open_versions(void *h)
+{
+#ifdef AMPX_HAVE_DLOPEN
+    void *vc = dlsym(h, "_ZN5torch8autograd4impl15version_counterERKN2at6TensorE");
+    void *bump = dlsym(h, "_ZN5torch8autograd4impl12bump_versionERKN2at6TensorE");
+    void *mode = dlsym(h, "_ZN3c1013InferenceMode10is_enabledEv"); /* libc10, a dependency */
+    if (vc == NULL || bump == NULL || mode == NULL)
+        return;
+    memcpy(&S.version_counter, &vc, sizeof vc);
+    memcpy(&S.bump_version, &bump, sizeof bump);
+    memcpy(&S.inference_mode, &mode, sizeof mode);
+#else
+    (void)h;
+#endif
+}
+
+int ampx_shim_versions_found(void) { return S.opened && S.version_counter != NULL; }
+int ampx_shim_versions_on(void) { return S.versions_on; }
+void ampx_shim_set_versions_on(int on) { S.versions_on = on && ampx_shim_versions_found(); }
+
+uintptr_t ampx_shim_version_counter(const void *handle)
+{
+    /* version_counter() returns the TensorImpl's VariableVersion, whose one
+     * member is the intrusive pointer to the counter: null for an inference
+     * tensor. */
+    uintptr_t w;
+    memcpy(&w, S.version_counter(handle), sizeof w);
+    return w;
+}
+
+void ampx_shim_bump(const void *handle) { S.bump_version(handle); }
+
+int ampx_shim_inference_mode(void) { return S.inference_mode() ? 1 : 0; }
 
 const char *ampx_shim_open(const char *path)
 {
@@ -82,6 +124,7 @@ const char *ampx_shim_open(const char *path)
     S.cuda = cuda();
     S.strided = strided();
     S.opened = 1;
+    open_versions(h);
     return NULL;
 #endif
 }

@@ -81,4 +81,24 @@ void ampx_shim_prefetch1(PyObject *t);
 void ampx_shim_prefetch2(PyObject *t);
 void ampx_shim_prefetch3(PyObject *t);
 
+/* Autograd's version counters and inference mode, from three exported C++
+ * functions of libtorch/libc10 (torch::autograd::impl::version_counter and
+ * bump_version, c10::InferenceMode::is_enabled), found with dlsym beside the
+ * shim; each takes or returns plain pointers. They are used only once a
+ * start-up probe (ampx/ops.py) saw them agree with torch's Python view on
+ * probe tensors (ampx_shim_set_versions_on), and only on plain tensors.
+ * bump_version throws (which C cannot survive) only for an undefined tensor
+ * or one with no counter (an inference tensor) outside inference mode: the
+ * callers bump only tensors whose counter they saw non-null. */
+int ampx_shim_versions_found(void);
+int ampx_shim_versions_on(void);
+void ampx_shim_set_versions_on(int on);
+/* The address of the counter of the tensor whose at::Tensor is at handle (0
+ * for an inference tensor, which has none). */
+uintptr_t ampx_shim_version_counter(const void *handle);
+/* Adds one to the version of the tensor at handle; its counter must be non-null. */
+void ampx_shim_bump(const void *handle);
+/* Whether torch.inference_mode() is on in the calling thread. */
+int ampx_shim_inference_mode(void);
+
 #endif /* AMPX_TORCH_SHIM_H */
