@@ -569,20 +569,28 @@ PyObject *py_enable_tensor_shim(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* The argument of a switch(on=None) function: 1 with *on set, 0 when it
+ * only asks (None), -1 with an exception set. */
+static int switch_arg(PyObject *args, const char *format, int *on)
+{
+    PyObject *on_o = Py_None;
+    if (!PyArg_ParseTuple(args, format, &on_o))
+        return -1;
+    if (on_o == Py_None)
+        return 0;
+    *on = PyObject_IsTrue(on_o);
+    return *on < 0 ? -1 : 1;
+}
+
 /* _set_tensor_shim(on=None) -> whether it was on; None only asks. Turning it
  * on needs a passed probe. */
 PyObject *py_set_tensor_shim(PyObject *module, PyObject *args)
 {
     mstate *st = state_of(module);
-    PyObject *on_o = Py_None;
-    if (!PyArg_ParseTuple(args, "|O:_set_tensor_shim", &on_o))
-        return NULL;
-    int was = ampx_shim_enabled();
-    if (on_o == Py_None)
-        return PyBool_FromLong(was);
-    int on = PyObject_IsTrue(on_o);
-    if (on < 0)
-        return NULL;
+    int was = ampx_shim_enabled(), on;
+    int ask = switch_arg(args, "|O:_set_tensor_shim", &on);
+    if (ask <= 0)
+        return ask < 0 ? NULL : PyBool_FromLong(was);
     if (on && (!ampx_shim_opened() || st->param_type == NULL)) {
         PyErr_SetString(PyExc_RuntimeError, "the tensor shim did not pass its start-up probe");
         return NULL;
@@ -666,15 +674,10 @@ PyObject *py_shim_inference_mode(PyObject *module, PyObject *unused)
 PyObject *py_set_versions(PyObject *module, PyObject *args)
 {
     (void)module;
-    PyObject *on_o = Py_None;
-    if (!PyArg_ParseTuple(args, "|O:_set_versions", &on_o))
-        return NULL;
-    int was = ampx_shim_versions_on();
-    if (on_o == Py_None)
-        return PyBool_FromLong(was);
-    int on = PyObject_IsTrue(on_o);
-    if (on < 0)
-        return NULL;
+    int was = ampx_shim_versions_on(), on;
+    int ask = switch_arg(args, "|O:_set_versions", &on);
+    if (ask <= 0)
+        return ask < 0 ? NULL : PyBool_FromLong(was);
     if (on && !ampx_shim_versions_found()) {
         PyErr_SetString(PyExc_RuntimeError, "torch's version-counter functions were not found");
         return NULL;

@@ -10,7 +10,6 @@ still take the one-at-a-time path), inf/NaN in one view reported at its own inde
 which flags cannot be told apart after a write (the per-tensor path then), and that coalescing
 really happened where it should (ampx._C._last_spans).
 """
-import contextlib
 import math
 
 import pytest
@@ -27,6 +26,7 @@ from conftest import (
     force_threads,
     norm_ref64,
     special_values,
+    switched,
     unscale_ref,
 )
 
@@ -34,13 +34,8 @@ from conftest import (
 EDGE_SIZES = [1, 7, 8, 9, 15, 16, 17, 1000, CHUNK - 1, CHUNK, CHUNK + 1, 3, 0, 2 * CHUNK + 5]
 
 
-@contextlib.contextmanager
 def coalescing(on):
-    prev = ampx._C._set_coalesce(on)
-    try:
-        yield
-    finally:
-        ampx._C._set_coalesce(prev)
+    return switched(ampx._C._set_coalesce, on)
 
 
 def views(buf, sizes):

@@ -8,13 +8,12 @@ of bumping (from C through torch's exported functions, and the Python fallback);
 tensors, which torch lets in-place ops write only inside torch.inference_mode(): refused
 outside it before anything is written, naming op, argument and position, and written inside.
 """
-import contextlib
-
 import pytest
 import torch
 
 import ampx
 from ampx import ops
+from conftest import switched
 
 WRITERS = {
     "unscale_": lambda ts: ops.unscale_(ts, 0.5, torch.zeros(1)),
@@ -68,13 +67,8 @@ def test_a_failed_write_bumps_nothing():
     assert ts[0]._version == before
 
 
-@contextlib.contextmanager
 def bumps_from_c(on):
-    prev = ampx._C._set_versions(on)
-    try:
-        yield
-    finally:
-        ampx._C._set_versions(prev)
+    return switched(ampx._C._set_versions, on)
 
 
 def test_c_bumps_where_the_probe_passed():
