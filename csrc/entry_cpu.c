@@ -15,13 +15,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Runs job over ts[0..n) (total elements in all); -1 with MemoryError when
- * the launcher cannot get its plan. */
-static int run_job(const ampx_job *job, const ampx_tensor *ts, Py_ssize_t n, int64_t total, int nthreads,
-                   ampx_partial *parts)
+/* Runs job over ts[0..n) (total elements in all), releasing the GIL when
+ * `release` (the call's storages are held: entry.c) and total is worth it;
+ * -1 with MemoryError when the launcher cannot get its plan. */
+static int run_job(const ampx_job *job, const ampx_tensor *ts, Py_ssize_t n, int64_t total, int release,
+                   int nthreads, ampx_partial *parts)
 {
     int rc;
-    if (total >= GIL_RELEASE_MIN) {
+    if (release && total >= GIL_RELEASE_MIN) {
         Py_BEGIN_ALLOW_THREADS
         rc = ampx_run(job, ts, n, nthreads, parts);
         Py_END_ALLOW_THREADS
@@ -68,7 +69,7 @@ static ampx_partial *new_parts(Py_ssize_t n)
 /* The sequential path: one tensor's job (tlist_each_staged). */
 typedef struct {
     const ampx_job *job;
-    int nthreads;
+    int release, nthreads;
     ampx_partial *parts;
 } one_by_one;
 
@@ -77,7 +78,7 @@ static int run_one(void *ctx, tlist *L, Py_ssize_t i)
     const one_by_one *s = (const one_by_one *)ctx;
     if (L->ts[i].numel == 0)
         return 0;
-    return run_job(s->job, &L->ts[i], 1, L->ts[i].numel, s->nthreads, &s->parts[i]);
+    return run_job(s->job, &L->ts[i], 1, L->ts[i].numel, s->release, s->nthreads, &s->parts[i]);
 }
 
 /* ---- coalesced spans ------------------------------------------------------ */
@@ -108,7 +109,8 @@ static int recheck_flags(const entry_call *c, Py_ssize_t a, Py_ssize_t b, uint8_
     ampx_job job = {0, AMPX_M_CHECK, 1.0, 0, 0u, 0u};
     for (Py_ssize_t i = a; i < b; i++) {
         ampx_partial part = {0.0, 0u};
-        if (L->ts[i].numel > 0 && run_job(&job, &L->ts[i], 1, L->ts[i].numel, c->at.nthreads, &part) < 0)
+        const ampx_tensor *t = &L->ts[i];
+        if (t->numel > 0 && run_job(&job, t, 1, t->numel, c->release_gil, c->at.nthreads, &part) < 0)
             return -1;
         flags[i] = (uint8_t)part.flags;
     }
@@ -139,7 +141,7 @@ static int try_spans(entry_call *c)
     if (m * 2 > L->n) /* little to merge: per tensor costs the same and keeps the usual bits */
         goto done;
     ampx_job job = {0, c->mode, c->factor, 0, 0u, 0u};
-    if ((rc = run_job(&job, spans, m, L->total, c->at.nthreads, parts)) < 0)
+    if ((rc = run_job(&job, spans, m, L->total, c->release_gil, c->at.nthreads, parts)) < 0)
         goto done;
     uint8_t *flags = (uint8_t *)c->flags;
     if (flags != NULL)
@@ -176,9 +178,9 @@ int cpu_scale_reduce(mstate *st, entry_call *c)
     ampx_job job = {0, c->mode, c->factor, 0, 0u, 0u};
     int rc;
     if (!c->sequential) {
-        rc = run_job(&job, L->ts, L->n, L->total, c->at.nthreads, parts);
+        rc = run_job(&job, L->ts, L->n, L->total, c->release_gil, c->at.nthreads, parts);
     } else {
-        one_by_one s = {&job, c->at.nthreads, parts};
+        one_by_one s = {&job, c->release_gil, c->at.nthreads, parts};
         rc = tlist_each_staged(st, L, run_one, &s);
     }
     if (rc == 0)
@@ -193,7 +195,7 @@ int cpu_cast(mstate *st, entry_call *c)
     if (parts == NULL)
         return -1;
     ampx_job job = {1, 0, c->factor, c->stochastic, c->seed, c->offset};
-    int rc = run_job(&job, c->S.ts, c->S.n, c->S.total, c->at.nthreads, parts);
+    int rc = run_job(&job, c->S.ts, c->S.n, c->S.total, c->release_gil, c->at.nthreads, parts);
     if (rc == 0)
         rc = cast_unstage(st, &c->D);
     if (rc == 0)

@@ -40,7 +40,7 @@ enum { AMPX_HOT_ATTR_LIST(AMPX_X_HOT_INDEX) AMPX_NUM_HOT_ATTRS };
 #define AMPX_STATE_NAMES(X)                                                                                \
     X(dtype) X(is_cpu) X(is_cuda) X(device) X(layout) X(numel) X(is_contiguous) X(data_ptr) X(contiguous) \
     X(copy_) X(grad) X(params) X(size) X(stride) X(nbytes) X(get_device) X(_cdata) X(resolve_neg)         \
-    X(detach) X(is_inference)
+    X(detach) X(is_inference) X(untyped_storage)
 
 /* The other objects the state owns: X(field) for one, A(field, n) for an array. */
 #define AMPX_STATE_OBJECTS(X, A)                                                                           \

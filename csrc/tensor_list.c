@@ -25,6 +25,10 @@ void tlist_free(tlist *L)
     if (L->tmp != NULL)
         for (Py_ssize_t i = 0; i < L->n; i++)
             Py_XDECREF(L->tmp[i]);
+    for (Py_ssize_t k = 0; k < L->nholds; k++)
+        ampx_shim_release(L->holds[k]);
+    free(L->holds);
+    Py_XDECREF(L->pyholds);
     Py_XDECREF(L->seq);
     free(L->ts);
     free(L->nc);
@@ -367,6 +371,75 @@ int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *seq, int
 error:
     tlist_free(L);
     return -1;
+}
+
+/* ---- storages held while the GIL is released ------------------------------- */
+
+/* Holds the storage of tensor t from Python (t.untyped_storage()). */
+static int hold_from_python(mstate *st, tlist *L, PyObject *t)
+{
+    if (L->pyholds == NULL && (L->pyholds = PyList_New(0)) == NULL)
+        return -1;
+    PyObject *s = call0(t, st->s_untyped_storage);
+    if (s == NULL)
+        return -1;
+    int rc = PyList_Append(L->pyholds, s);
+    Py_DECREF(s);
+    return rc;
+}
+
+/* The storage of tensor i of L when known from C (0: unknown, held alone). */
+static uintptr_t storage_of(mstate *st, const tlist *L, Py_ssize_t i, int shim)
+{
+    PyObject *t = tlist_item(L, i);
+    return shim && is_plain(st, t) ? ampx_shim_storage_word(t) : 0;
+}
+
+int64_t tlist_count_storages(mstate *st, const tlist *L)
+{
+    int shim = ampx_shim_enabled();
+    int64_t count = 0;
+    uintptr_t last = 0;
+    for (Py_ssize_t i = 0; i < L->n; i++) {
+        if (L->ts[i].numel == 0)
+            continue;
+        uintptr_t s = storage_of(st, L, i, shim);
+        count += s == 0 || s != last;
+        last = s;
+    }
+    return count;
+}
+
+int tlist_hold_storages(mstate *st, tlist *L)
+{
+    if (L->holds != NULL || L->pyholds != NULL || L->n == 0)
+        return 0; /* held already, or nothing to hold */
+    if ((L->holds = (void **)malloc((size_t)L->n * sizeof *L->holds)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int shim = ampx_shim_enabled();
+    uintptr_t last = 0; /* the storage held last from C (0: none known) */
+    for (Py_ssize_t i = 0; i < L->n; i++) {
+        PyObject *t = tlist_item(L, i);
+        if (L->ts[i].numel == 0)
+            continue; /* no memory touched */
+        if (shim && is_plain(st, t)) {
+            uintptr_t s = storage_of(st, L, i, shim);
+            if (s != 0 && s == last)
+                continue; /* the same storage as the tensor before: held already */
+            void *alias = ampx_shim_hold_storage(t);
+            if (alias != NULL) {
+                L->holds[L->nholds++] = alias;
+                last = s;
+                continue;
+            }
+        }
+        last = 0;
+        if (hold_from_python(st, L, t) < 0)
+            return -1;
+    }
+    return 0;
 }
 
 /* ---- written lists ---------------------------------------------------------- */

@@ -22,6 +22,8 @@ typedef int32_t (*shim_ptr_fn)(void *, void **);
 typedef int32_t (*shim_i64_fn)(void *, int64_t *);
 typedef int32_t (*shim_get_i32_fn)(void *, int32_t *);
 typedef int32_t (*shim_bool_fn)(void *, bool *);
+typedef int32_t (*shim_reinterpret_fn)(void *, int64_t, const int64_t *, const int64_t *, int64_t, void **);
+typedef int32_t (*shim_delete_fn)(void *);
 
 static struct {
     int opened, enabled;
@@ -37,6 +39,9 @@ static struct {
     void (*bump_version)(const void *);
     bool (*inference_mode)(void);
     int versions_on;
+    /* holding a storage (optional) */
+    shim_reinterpret_fn reinterpret;
+    shim_delete_fn delete_tensor;
 } S = {.storage_offset = -1};
 
 int ampx_shim_enabled(void) { return S.enabled; }
@@ -79,6 +84,34 @@ uintptr_t ampx_shim_version_counter(const void *handle)
 void ampx_shim_bump(const void *handle) { S.bump_version(handle); }
 
 int ampx_shim_inference_mode(void) { return S.inference_mode() ? 1 : 0; }
+
+void *ampx_shim_hold_storage(PyObject *t)
+{
+    if (S.reinterpret == NULL)
+        return NULL;
+    /* An empty 1-d view: a new TensorImpl (torch's _reinterpret_tensor) that
+     * shares t's StorageImpl and claims none of its bytes, so no bounds apply. */
+    const int64_t size = 0, stride = 1;
+    void *alias = NULL;
+    if (S.reinterpret(ampx_shim_handle(t), 1, &size, &stride, 0, &alias) != 0)
+        return NULL;
+    return alias;
+}
+
+void ampx_shim_release(void *alias)
+{
+    if (alias != NULL)
+        S.delete_tensor(alias);
+}
+
+uintptr_t ampx_shim_storage_word(PyObject *t)
+{
+    if (S.storage_offset < 0)
+        return 0;
+    uintptr_t impl = ampx_shim_impl_word(t), storage;
+    memcpy(&storage, (const char *)impl + S.storage_offset, sizeof storage);
+    return storage;
+}
 
 const char *ampx_shim_open(const char *path)
 {
@@ -125,6 +158,11 @@ const char *ampx_shim_open(const char *path)
     S.strided = strided();
     S.opened = 1;
     open_versions(h);
+    void *ri = dlsym(h, "aoti_torch__reinterpret_tensor"), *del = dlsym(h, "aoti_torch_delete_tensor_object");
+    if (ri != NULL && del != NULL) {
+        memcpy(&S.reinterpret, &ri, sizeof ri);
+        memcpy(&S.delete_tensor, &del, sizeof del);
+    }
     return NULL;
 #endif
 }
@@ -218,10 +256,9 @@ void ampx_shim_prefetch2(PyObject *t)
 
 void ampx_shim_prefetch3(PyObject *t)
 {
-    if (S.storage_offset < 0)
+    uintptr_t storage = ampx_shim_storage_word(t);
+    if (storage == 0)
         return;
-    uintptr_t impl = ampx_shim_impl_word(t), storage;
-    memcpy(&storage, (const char *)impl + S.storage_offset, sizeof storage);
     PREFETCH(storage);
     PREFETCH(storage + 64);
 }

@@ -81,6 +81,19 @@ void ampx_shim_prefetch1(PyObject *t);
 void ampx_shim_prefetch2(PyObject *t);
 void ampx_shim_prefetch3(PyObject *t);
 
+/* Holding a tensor's storage while the GIL is released: `t.data = other`
+ * (another thread) swaps the StorageImpl inside t's own TensorImpl, so holding
+ * t (or its TensorImpl) does not keep the old memory alive. A second
+ * TensorImpl sharing the StorageImpl does: ampx_shim_hold_storage makes one
+ * (an empty view through aoti_torch__reinterpret_tensor) and returns its
+ * handle, or NULL when it cannot (the caller then holds it from Python);
+ * ampx_shim_release deletes it (with the GIL held: it may free the storage). */
+void *ampx_shim_hold_storage(PyObject *t);
+void ampx_shim_release(void *alias);
+/* The StorageImpl address of plain tensor t (the probe's offset), 0 when
+ * unknown: tells which consecutive tensors share one storage. */
+uintptr_t ampx_shim_storage_word(PyObject *t);
+
 /* Autograd's version counters and inference mode, from three exported C++
  * functions of libtorch/libc10 (torch::autograd::impl::version_counter and
  * bump_version, c10::InferenceMode::is_enabled), found with dlsym beside the
