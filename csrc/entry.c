@@ -82,7 +82,9 @@ static int hold_if_released(mstate *st, entry_call *c, tlist *A, tlist *B)
         if (total / HOLD_MIN_ELEMS < stores)
             return 0; /* keep the GIL: the holds would cost more than releasing it gains */
     }
-    if (tlist_hold_storages(st, A) < 0 || (B != NULL && tlist_hold_storages(st, B) < 0))
+    const char *op = c->at.op;
+    if (tlist_hold_storages(st, op, B != NULL ? "src" : "tensors", A) < 0 ||
+        (B != NULL && tlist_hold_storages(st, op, "dst", B) < 0))
         return -1;
     c->release_gil = 1;
     return 0;

@@ -375,17 +375,50 @@ error:
 
 /* ---- storages held while the GIL is released ------------------------------- */
 
-/* Holds the storage of tensor t from Python (t.untyped_storage()). */
-static int hold_from_python(mstate *st, tlist *L, PyObject *t)
+/* obj.<name>() as an address or size (0 on error, with an exception set). */
+static int call_word(PyObject *obj, PyObject *name, uintptr_t *out)
+{
+    PyObject *r = call0(obj, name);
+    if (r == NULL)
+        return -1;
+    unsigned long long v = PyLong_AsUnsignedLongLong(r);
+    Py_DECREF(r);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *out = (uintptr_t)v;
+    return 0;
+}
+
+/* Holds the storage of tensor t from Python (t.untyped_storage()); its bytes
+ * are [*base, *end). */
+static int hold_from_python(mstate *st, tlist *L, PyObject *t, uintptr_t *base, uintptr_t *end)
 {
     if (L->pyholds == NULL && (L->pyholds = PyList_New(0)) == NULL)
         return -1;
     PyObject *s = call0(t, st->s_untyped_storage);
     if (s == NULL)
         return -1;
+    uintptr_t nbytes = 0;
     int rc = PyList_Append(L->pyholds, s);
+    if (rc == 0)
+        rc = call_word(s, st->s_data_ptr, base);
+    if (rc == 0)
+        rc = call_word(s, st->s_nbytes, &nbytes);
     Py_DECREF(s);
+    *end = *base + nbytes;
     return rc;
+}
+
+/* A tensor whose memory is not inside the storage held for it: another
+ * thread replaced its storage (`t.data = ...`) while the list was read (torch
+ * ops and some attribute reads release the GIL). */
+static int replaced_error(const char *op, const char *arg, Py_ssize_t i)
+{
+    PyErr_Format(PyExc_RuntimeError,
+                 "%s: %s[%zd] had its storage replaced (t.data = ...) by another thread while ampx read "
+                 "the list; nothing was written: do not change tensors' data while ampx works on them",
+                 op, arg, i);
+    return -1;
 }
 
 /* The storage of tensor i of L when known from C (0: unknown, held alone). */
@@ -410,7 +443,7 @@ int64_t tlist_count_storages(mstate *st, const tlist *L)
     return count;
 }
 
-int tlist_hold_storages(mstate *st, tlist *L)
+int tlist_hold_storages(mstate *st, const char *op, const char *arg, tlist *L)
 {
     if (L->holds != NULL || L->pyholds != NULL || L->n == 0)
         return 0; /* held already, or nothing to hold */
@@ -419,25 +452,26 @@ int tlist_hold_storages(mstate *st, tlist *L)
         return -1;
     }
     int shim = ampx_shim_enabled();
-    uintptr_t last = 0; /* the storage held last from C (0: none known) */
+    uintptr_t last = 0;           /* the storage held last from C (0: none known) */
+    uintptr_t base = 0, end = 0;  /* the bytes of the storage held last */
     for (Py_ssize_t i = 0; i < L->n; i++) {
         PyObject *t = tlist_item(L, i);
         if (L->ts[i].numel == 0)
             continue; /* no memory touched */
-        if (shim && is_plain(st, t)) {
-            uintptr_t s = storage_of(st, L, i, shim);
-            if (s != 0 && s == last)
-                continue; /* the same storage as the tensor before: held already */
-            void *alias = ampx_shim_hold_storage(t);
+        uintptr_t s = storage_of(st, L, i, shim);
+        if (s == 0 || s != last) {
+            void *alias = s != 0 ? ampx_shim_hold_storage(t, &base, &end) : NULL;
             if (alias != NULL) {
                 L->holds[L->nholds++] = alias;
-                last = s;
-                continue;
+            } else if (hold_from_python(st, L, t, &base, &end) < 0) {
+                return -1;
             }
+            last = alias != NULL ? s : 0;
         }
-        last = 0;
-        if (hold_from_python(st, L, t) < 0)
-            return -1;
+        /* The kernels use the pointer read by the gather: it must lie in what is held. Staged
+         * tensors are copied from (and back into) the tensor as it is then. */
+        if (!L->nc[i] && L->tmp[i] == NULL && (L->lo[i] < base || L->hi[i] > end || base == 0))
+            return replaced_error(op, arg, i);
     }
     return 0;
 }

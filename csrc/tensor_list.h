@@ -64,15 +64,17 @@ int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *seq, int
 int tlist_bump_versions(mstate *st, const tlist *L);
 
 /* Before work that releases the GIL: keeps the storage of every tensor of L
- * alive until tlist_free, even if another thread replaces a tensor's
- * storage (`t.data = ...`) meanwhile; the kernels then touch memory that
- * stays valid (the replaced storage simply no longer backs the tensor).
- * Consecutive tensors sharing a storage (views of one buffer) cost one
- * reference. Plain tensors are held from C (torch_shim.h), others through
- * t.untyped_storage(). Resizing a storage in place (untyped_storage().resize_)
- * during the call is not covered: torch's own kernels are not safe from it
- * either. */
-int tlist_hold_storages(mstate *st, tlist *L);
+ * (argument `arg` of `op`) alive until tlist_free, even if another thread
+ * replaces a tensor's storage (`t.data = ...`) meanwhile; the kernels then
+ * touch memory that stays valid (the replaced storage simply no longer backs
+ * the tensor). Consecutive tensors sharing a storage (views of one buffer)
+ * cost one reference. Plain tensors are held from C (torch_shim.h), others
+ * through t.untyped_storage(). Checks that each pointer the gather read lies
+ * in the storage now held (a replacement while the list was read raises
+ * RuntimeError; nothing has been written then). Resizing a storage in place
+ * (untyped_storage().resize_) during the call is not covered: torch's own
+ * kernels are not safe from it either. */
+int tlist_hold_storages(mstate *st, const char *op, const char *arg, tlist *L);
 
 /* How many references tlist_hold_storages would take: the runs of
  * consecutive non-empty tensors sharing one storage. */

@@ -42,11 +42,30 @@ static struct {
     /* holding a storage (optional) */
     shim_reinterpret_fn reinterpret;
     shim_delete_fn delete_tensor;
+    shim_i64_fn storage_offset_of, storage_size;
 } S = {.storage_offset = -1};
 
 int ampx_shim_enabled(void) { return S.enabled; }
 int ampx_shim_opened(void) { return S.opened; }
 void ampx_shim_set_enabled(int on) { S.enabled = on && S.opened; }
+
+/* Looks up the functions that hold a storage (torch_shim.h); any missing
+ * leaves holds to Python. */
+static void open_holds(void *h)
+{
+#ifdef AMPX_HAVE_DLOPEN
+    void *ri = dlsym(h, "aoti_torch__reinterpret_tensor"), *del = dlsym(h, "aoti_torch_delete_tensor_object");
+    void *off = dlsym(h, "aoti_torch_get_storage_offset"), *size = dlsym(h, "aoti_torch_get_storage_size");
+    if (ri == NULL || del == NULL || off == NULL || size == NULL)
+        return;
+    memcpy(&S.reinterpret, &ri, sizeof ri);
+    memcpy(&S.delete_tensor, &del, sizeof del);
+    memcpy(&S.storage_offset_of, &off, sizeof off);
+    memcpy(&S.storage_size, &size, sizeof size);
+#else
+    (void)h;
+#endif
+}
 
 /* Looks up the version-counter functions (torch_shim.h); any missing leaves
  * them off. Itanium-mangled names of functions taking `const at::Tensor&`,
@@ -85,16 +104,24 @@ void ampx_shim_bump(const void *handle) { S.bump_version(handle); }
 
 int ampx_shim_inference_mode(void) { return S.inference_mode() ? 1 : 0; }
 
-void *ampx_shim_hold_storage(PyObject *t)
+void *ampx_shim_hold_storage(PyObject *t, uintptr_t *base, uintptr_t *end)
 {
     if (S.reinterpret == NULL)
         return NULL;
-    /* An empty 1-d view: a new TensorImpl (torch's _reinterpret_tensor) that
-     * shares t's StorageImpl and claims none of its bytes, so no bounds apply. */
-    const int64_t size = 0, stride = 1;
-    void *alias = NULL;
-    if (S.reinterpret(ampx_shim_handle(t), 1, &size, &stride, 0, &alias) != 0)
+    /* A one-element view at the storage's start: a new TensorImpl (torch's
+     * _reinterpret_tensor) sharing t's StorageImpl, whose data pointer is the
+     * storage's first byte. */
+    void *h = ampx_shim_handle(t), *alias = NULL, *p = NULL;
+    int64_t off = 0, nbytes = 0;
+    const int64_t size = 1, stride = 1;
+    if (S.storage_offset_of(h, &off) != 0 || S.reinterpret(h, 1, &size, &stride, -off, &alias) != 0)
         return NULL;
+    if (S.storage_size(alias, &nbytes) != 0 || nbytes < 0 || (nbytes > 0 && S.data_ptr(alias, &p) != 0)) {
+        S.delete_tensor(alias);
+        return NULL;
+    }
+    *base = (uintptr_t)p;
+    *end = *base + (uintptr_t)nbytes;
     return alias;
 }
 
@@ -158,11 +185,7 @@ const char *ampx_shim_open(const char *path)
     S.strided = strided();
     S.opened = 1;
     open_versions(h);
-    void *ri = dlsym(h, "aoti_torch__reinterpret_tensor"), *del = dlsym(h, "aoti_torch_delete_tensor_object");
-    if (ri != NULL && del != NULL) {
-        memcpy(&S.reinterpret, &ri, sizeof ri);
-        memcpy(&S.delete_tensor, &del, sizeof del);
-    }
+    open_holds(h);
     return NULL;
 #endif
 }

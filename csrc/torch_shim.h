@@ -85,10 +85,12 @@ void ampx_shim_prefetch3(PyObject *t);
  * (another thread) swaps the StorageImpl inside t's own TensorImpl, so holding
  * t (or its TensorImpl) does not keep the old memory alive. A second
  * TensorImpl sharing the StorageImpl does: ampx_shim_hold_storage makes one
- * (an empty view through aoti_torch__reinterpret_tensor) and returns its
- * handle, or NULL when it cannot (the caller then holds it from Python);
- * ampx_shim_release deletes it (with the GIL held: it may free the storage). */
-void *ampx_shim_hold_storage(PyObject *t);
+ * (a one-element view at the storage's start, through
+ * aoti_torch__reinterpret_tensor) and returns its handle, the storage's
+ * bytes in [*base, *end), or NULL when it cannot (the caller then holds it
+ * from Python); ampx_shim_release deletes it (with the GIL held: it may free
+ * the storage). */
+void *ampx_shim_hold_storage(PyObject *t, uintptr_t *base, uintptr_t *end);
 void ampx_shim_release(void *alias);
 /* The StorageImpl address of plain tensor t (the probe's offset), 0 when
  * unknown: tells which consecutive tensors share one storage. */

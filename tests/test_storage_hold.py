@@ -7,7 +7,8 @@ an AddressSanitizer report anywhere). ampx holds each storage (one reference per
 of one buffer) for the call. Covers: separate large tensors, views of one buffer whose only
 owners are the views, a cast's source and destination lists, a read-only norm, a staged
 (non-contiguous) list, and a Parameter list, each against a thread that keeps replacing `.data`
-of the list's members; and that many small separate tensors keep the GIL instead (the holds
+of the list's members (a replacement while ampx reads the list, possible where reading it
+runs torch code, is refused with RuntimeError before anything is written); and that many small separate tensors keep the GIL instead (the holds
 would cost more than releasing it gains) while views of one buffer release it.
 
 Each race runs in a child process (a crash fails the test instead of killing the run) for
@@ -40,7 +41,11 @@ def race(victims, call):
     t0, calls = time.time(), 0
     try:
         while time.time() - t0 < 0.25 or calls < 5:
-            call()
+            try:
+                call()
+            except RuntimeError as e:  # a replacement seen while the list was read: refused whole
+                if "had its storage replaced" not in str(e):
+                    raise
             calls += 1
     finally:
         stop.set()
@@ -55,7 +60,9 @@ CASES = {
     "cast": ("src = [torch.randn(N) for _ in range(4)]; dst = [torch.empty(N, dtype=torch.bfloat16) "
              "for _ in range(4)]", "src + dst", "ops.cast_(src, dst, inv_scale=0.5)"),
     "norm": ("ts = list(torch.randn(4 * N).split(N))", "ts", "ops.norm(ts)"),
-    "staged": ("ts = [torch.randn(N), torch.randn(512, 512).t(), torch.randn(N)]", "ts",
+    # the staged tensor itself is left alone: torch's own copies of a tensor whose storage is
+    # replaced meanwhile are not safe (ASan reports them inside torch), and ampx stages through them
+    "staged": ("ts = [torch.randn(N), torch.randn(512, 512).t(), torch.randn(N)]", "[ts[0], ts[2]]",
                "ops.unscale_(ts, 0.5, torch.zeros(1))"),
     "parameters": ("ts = [torch.nn.Parameter(torch.randn(N)) for _ in range(4)]", "ts", "ops.norm(ts, 1.0)"),
 }
@@ -76,7 +83,7 @@ def _seen_mid_call(ts):
     """Whether another Python thread saw ops.mul_(ts, 2.0) half done: the first tensor's first
     element already doubled while the last tensor's last element is not yet. That state
     exists only inside the kernels, so it is seen only if they released the GIL."""
-    first, last = ts[0].detach().numpy(), ts[-1].detach().numpy()
+    first, last = ts[0].detach().numpy(), ts[-1].detach().numpy()  # ones: stay finite below
     seen = [0]
     stop = threading.Event()
 
@@ -90,8 +97,8 @@ def _seen_mid_call(ts):
     th = threading.Thread(target=watch)
     th.start()
     try:
-        for _ in range(30):
-            ops.mul_(ts, 2.0)
+        for k in range(30):
+            ops.mul_(ts, 2.0 if k % 2 == 0 else 0.5)
             if seen[0]:
                 break
     finally:
@@ -106,7 +113,8 @@ def test_many_small_separate_tensors_keep_the_gil_and_views_release_it():
     try:
         views = list(torch.ones(2000 * 1000, dtype=torch.float16).split(1000))
         separate = [torch.ones(1000, dtype=torch.float16) for _ in range(2000)]
-        assert _seen_mid_call(views)
+        if ampx._C._set_tensor_shim():  # without it, views cannot be told to share a storage
+            assert _seen_mid_call(views)
         assert not _seen_mid_call(separate)
     finally:
         ampx._C.set_simd(prev)
