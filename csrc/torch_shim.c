@@ -49,41 +49,43 @@ int ampx_shim_enabled(void) { return S.enabled; }
 int ampx_shim_opened(void) { return S.opened; }
 void ampx_shim_set_enabled(int on) { S.enabled = on && S.opened; }
 
-/* Looks up the functions that hold a storage (torch_shim.h); any missing
- * leaves holds to Python. */
-static void open_holds(void *h)
+/* Looks up names[0..n) in h into the function-pointer fields slots[0..n)
+ * (each the size of a pointer): all of them, or none when one is missing. */
+static void look_up_all(void *h, const char *const *names, void *const *slots, int n)
 {
 #ifdef AMPX_HAVE_DLOPEN
-    void *ri = dlsym(h, "aoti_torch__reinterpret_tensor"), *del = dlsym(h, "aoti_torch_delete_tensor_object");
-    void *off = dlsym(h, "aoti_torch_get_storage_offset"), *size = dlsym(h, "aoti_torch_get_storage_size");
-    if (ri == NULL || del == NULL || off == NULL || size == NULL)
-        return;
-    memcpy(&S.reinterpret, &ri, sizeof ri);
-    memcpy(&S.delete_tensor, &del, sizeof del);
-    memcpy(&S.storage_offset_of, &off, sizeof off);
-    memcpy(&S.storage_size, &size, sizeof size);
+    void *found[8];
+    for (int k = 0; k < n; k++)
+        if ((found[k] = dlsym(h, names[k])) == NULL)
+            return;
+    for (int k = 0; k < n; k++)
+        memcpy(slots[k], &found[k], sizeof found[k]);
 #else
-    (void)h;
+    (void)h, (void)names, (void)slots, (void)n;
 #endif
 }
 
-/* Looks up the version-counter functions (torch_shim.h); any missing leaves
- * them off. Itanium-mangled names of functions taking `const at::Tensor&`,
- * which is the address of an at::Tensor: what ampx_shim_handle returns. */
+/* The functions that hold a storage (torch_shim.h); any missing leaves holds
+ * to Python. */
+static void open_holds(void *h)
+{
+    static const char *const names[] = {"aoti_torch__reinterpret_tensor", "aoti_torch_delete_tensor_object",
+                                        "aoti_torch_get_storage_offset", "aoti_torch_get_storage_size"};
+    void *const slots[] = {&S.reinterpret, &S.delete_tensor, &S.storage_offset_of, &S.storage_size};
+    look_up_all(h, names, slots, 4);
+}
+
+/* The version-counter functions (torch_shim.h); any missing leaves them off.
+ * Itanium-mangled names of functions taking `const at::Tensor&`, which is the
+ * address of an at::Tensor: what ampx_shim_handle returns. The last is in
+ * libc10, a dependency that dlsym searches too. */
 static void open_versions(void *h)
 {
-#ifdef AMPX_HAVE_DLOPEN
-    void *vc = dlsym(h, "_ZN5torch8autograd4impl15version_counterERKN2at6TensorE");
-    void *bump = dlsym(h, "_ZN5torch8autograd4impl12bump_versionERKN2at6TensorE");
-    void *mode = dlsym(h, "_ZN3c1013InferenceMode10is_enabledEv"); /* libc10, a dependency */
-    if (vc == NULL || bump == NULL || mode == NULL)
-        return;
-    memcpy(&S.version_counter, &vc, sizeof vc);
-    memcpy(&S.bump_version, &bump, sizeof bump);
-    memcpy(&S.inference_mode, &mode, sizeof mode);
-#else
-    (void)h;
-#endif
+    static const char *const names[] = {"_ZN5torch8autograd4impl15version_counterERKN2at6TensorE",
+                                        "_ZN5torch8autograd4impl12bump_versionERKN2at6TensorE",
+                                        "_ZN3c1013InferenceMode10is_enabledEv"};
+    void *const slots[] = {(void *)&S.version_counter, (void *)&S.bump_version, (void *)&S.inference_mode};
+    look_up_all(h, names, slots, 3);
 }
 
 int ampx_shim_versions_found(void) { return S.opened && S.version_counter != NULL; }
