@@ -38,6 +38,7 @@ void tlist_free(tlist *L)
     free(L->hi);
     free(L->layout);
     free(L->impl);
+    free(L->counter);
     free(L->bump_py);
     memset(L, 0, sizeof *L);
 }
@@ -172,9 +173,10 @@ static int tlist_alloc(const char *op, const char *arg, PyObject *seq, tlist *L)
     L->hi = (uintptr_t *)calloc(m, sizeof *L->hi);
     L->layout = (uint64_t *)calloc(m, sizeof *L->layout);
     L->impl = (uintptr_t *)calloc(m, sizeof *L->impl);
+    L->counter = (uintptr_t *)calloc(m, sizeof *L->counter);
     L->bump_py = (unsigned char *)calloc(m, 1);
     if (L->ts == NULL || L->nc == NULL || L->neg == NULL || L->tmp == NULL || L->lo == NULL || L->hi == NULL ||
-        L->layout == NULL || L->impl == NULL || L->bump_py == NULL) {
+        L->layout == NULL || L->impl == NULL || L->counter == NULL || L->bump_py == NULL) {
         tlist_free(L);
         PyErr_NoMemory();
         return -1;
@@ -266,9 +268,11 @@ static int note_version(mstate *st, const char *op, const char *arg, Py_ssize_t 
                         tlist *L)
 {
     if (ampx_shim_versions_on() && is_plain(st, t)) {
-        if (ampx_shim_version_counter(ampx_shim_handle(t)) == 0) /* no counter: an inference tensor */
+        uintptr_t counter = ampx_shim_version_counter(ampx_shim_handle(t));
+        if (counter == 0) /* no counter: an inference tensor */
             return infmode ? 0 : inference_error(op, arg, i);
         L->impl[i] = ampx_shim_impl_word(t);
+        L->counter[i] = counter;
         return 0;
     }
     PyObject *r = call0(t, st->s_is_inference);
@@ -291,13 +295,19 @@ static int note_version(mstate *st, const char *op, const char *arg, Py_ssize_t 
 int tlist_bump_versions(mstate *st, const tlist *L)
 {
     Py_ssize_t npy = 0;
+    const uintptr_t *hot = NULL; /* the handle bumped last, its TensorImpl in cache */
     for (Py_ssize_t i = 0; i < L->n; i++) {
         if (i + PF_BUMP < L->n && L->impl[i + PF_BUMP] != 0)
             __builtin_prefetch((const void *)L->impl[i + PF_BUMP], 0, 3);
         if (L->nc[i] || L->tmp[i] != NULL)
             continue; /* written through a staged copy: its copy back (copy_) bumped it */
-        if (L->impl[i] != 0)
-            ampx_shim_bump(&L->impl[i]); /* a copy of the at::Tensor: one pointer, the tuple keeps it alive */
+        if (L->impl[i] != 0) {
+            /* Views of one buffer share their counter: bumping it through the tensor bumped
+             * last adds the same one without touching tensor i's TensorImpl again. */
+            if (hot == NULL || L->counter[i] != L->counter[hot - L->impl])
+                hot = &L->impl[i];
+            ampx_shim_bump(hot); /* a copy of the at::Tensor: one pointer, the tuple keeps it alive */
+        }
         npy += L->bump_py[i];
     }
     if (npy == 0 || st->increment_version == NULL)

@@ -31,6 +31,7 @@ typedef struct {
     uint64_t *layout;      /* n: fingerprint of a non-contiguous tensor's sizes and strides (else 0) */
     uintptr_t *impl;       /* n, written lists: the at::Tensor word (TensorImpl address) of a tensor
                               whose counter C bumps itself (tlist_bump_versions), else 0 */
+    uintptr_t *counter;    /* n, written lists: the address of the version counter bumped from C */
     unsigned char *bump_py;/* n, written lists: bumped through Python (state's increment_version) */
     void **holds;          /* owned aliases keeping storages alive (tlist_hold_storages), nholds of them */
     Py_ssize_t nholds;
