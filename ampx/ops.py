@@ -34,7 +34,14 @@ ValueError naming the argument, position and dtype or device, and leaves
 every tensor untouched.
 
 These kernels bypass autograd: they are meant for gradients and optimizer
-state, not for tensors that need a backward pass.
+state, not for tensors that need a backward pass. Like torch's in-place ops,
+they add one to the version counter of every tensor they write (so autograd
+refuses a saved tensor modified since), and they write inference tensors only
+inside ``torch.inference_mode()`` (outside it they raise before writing).
+
+Consecutive tensors lying back to back in memory (views of one flat buffer:
+DDP's bucket views, FSDP's flat parameters) are streamed as one span when no
+per-tensor norm is asked for; per-tensor ``flags`` stay per tensor.
 """
 import math
 import os
@@ -198,12 +205,53 @@ def _bump_each(tensors):
 _increment_version = getattr(torch._C, "_increment_version", _bump_each)
 
 
-def _written(tensors):
-    """Bumps the version counters of tensors the kernels wrote, as torch's in-place ops do, so
-    autograd refuses a tensor saved for backward and modified since (about 0.05 us a tensor:
-    0.5 ms for 10,000). Inference tensors have no counter; torch skips them."""
-    if len(tensors):
-        _increment_version(tensors)
+def _bump_list(tensors):
+    """What _C calls for the written tensors it cannot bump itself (tensor subclasses, or all of
+    them when the probe below failed); looked up at each call, so tests can swap it."""
+    _increment_version(tensors)
+
+
+def _versions_probe():
+    """Whether _C's own bump of version counters (torch_shim.h) agrees with torch on probe
+    tensors: the counter's address shared by a view and its base, distinct for another tensor,
+    absent for an inference tensor; inference mode seen on and off; one bump adding exactly
+    one. Returns None when it does (and turns it on), else why not."""
+    if not _C._set_tensor_shim():
+        return "needs the torch C shim"
+    if _C._shim_inference_mode() is None:
+        return "torch's version-counter functions were not found"
+    with torch.device("cpu"), torch.inference_mode(False):
+        a, b = torch.zeros(4), torch.zeros(3)
+        v = a.view(2, 2)
+        with torch.inference_mode():
+            inf = torch.zeros(2)
+            mode_on = _C._shim_inference_mode()
+        ca, cv, cb = (_C._shim_version_counter(t) for t in (a, v, b))
+        if not (ca and ca == cv and cb and cb != ca and _C._shim_version_counter(inf) == 0):
+            return "the counters' addresses disagree with torch's views"
+        if not mode_on or _C._shim_inference_mode():
+            return "inference mode is not seen as torch sets it"
+        before_a, before_b = a._version, b._version
+        _C._shim_bump(v)
+        _C._shim_bump(b)
+        _C._shim_bump(b)
+        if (a._version, b._version) != (before_a + 1, before_b + 2):
+            return "a bump from C does not move the version as torch's does"
+    _C._set_versions(True)
+    return None
+
+
+def _enable_versions():
+    _C._set_autograd(_bump_list, torch.is_inference_mode_enabled)
+    if os.environ.get("AMPX_VERSIONS_FROM_C", "1") == "0":
+        return "turned off by AMPX_VERSIONS_FROM_C=0"
+    try:
+        return _versions_probe()
+    except Exception as e:  # Python's bump always works: never fail the import over this
+        return f"the probe failed: {type(e).__name__}: {e}"
+
+
+_VERSIONS_WHY_NOT = _enable_versions()
 
 
 def unscale_(tensors, inv_scale, found_inf, *, flags=None):
@@ -230,7 +278,6 @@ def unscale_(tensors, inv_scale, found_inf, *, flags=None):
     _check_outputs(op, found_inf=found_inf, flags=flags)
     _C.scale_reduce(op, tensors, _SCALE | _WRITE | _CHECK, factor=inv_scale, factor_name="inv_scale",
                     found_inf=found_inf, flags=flags, **_on(op, _cuda_device(tensors)))
-    _written(tensors)
 
 
 def check_finite(tensors, found_inf, *, flags=None):
@@ -297,7 +344,6 @@ def unscale_norm_(tensors, inv_scale, found_inf, *, ord=2.0, flags=None, per_ten
     total, per = _outputs(tensors, per_tensor, dev)
     _C.scale_reduce(op, tensors, _SCALE | _WRITE | _CHECK | (r << _SHIFT), factor=inv_scale, factor_name="inv_scale",
                     found_inf=found_inf, flags=flags, per_tensor=per, out=total, **_on(op, dev))
-    _written(tensors)
     return (total, per) if per_tensor else total
 
 
@@ -311,7 +357,6 @@ def mul_(tensors, factor):
     tensors = _as_list(tensors, "tensors", "ampx.ops.mul_")
     op = "ampx.ops.mul_"
     _C.scale_reduce(op, tensors, _SCALE | _WRITE, factor=factor, **_on(op, _cuda_device(tensors)))
-    _written(tensors)
 
 
 _U64 = 1 << 64
@@ -367,7 +412,6 @@ def cast_(src, dst, *, inv_scale=None, found_inf=None, flags=None, rounding="nea
     dev = _cuda_device(src) if len(src) else _cuda_device(dst)
     _C.cast(op, src, dst, inv_scale=inv_scale, found_inf=found_inf, flags=flags, stochastic=rounding == "stochastic",
             seed=seed, offset=offset, rng=None if rng is None else rng.view(torch.uint8), **_on(op, dev))
-    _written(dst)
 
 
 def _is_real(x):
@@ -468,8 +512,6 @@ def _scaler_pass(tensors, mode_reduce, factor, found_inf, flags, write, refuse_f
     total = _outputs(tensors, False, device)[0] if mode_reduce else None
     _C.scale_reduce(op, tensors, mode, factor=factor, found_inf=found_inf, flags=flags, out=total,
                     refuse_fp16=refuse_fp16, **_on(op, device))
-    if write:
-        _written(tensors)
     return total
 
 

@@ -49,6 +49,47 @@ static int check_outputs(mstate *st, entry_call *c, PyObject *found_o, PyObject 
     return 0;
 }
 
+/* Right after the gather of a CPU call: decides whether it releases the GIL
+ * (c->release_gil) and, if so, holds the storages of lists A and B (or NULL)
+ * until they are freed, so that another thread replacing a tensor's storage
+ * meanwhile frees nothing the kernels touch. Calls that run torch ops
+ * (staging, tensor_list.h) hold them always: those ops release the GIL. CUDA
+ * calls hold nothing: their kernels outlive the call anyway, and torch's
+ * caching allocator orders reuse on the stream. */
+static int runs_torch(const tlist *L)
+{
+    if (L->any_nc)
+        return 1;
+    for (Py_ssize_t i = 0; i < L->n; i++)
+        if (L->neg[i])
+            return 1;
+    return 0;
+}
+
+static int hold_if_released(mstate *st, entry_call *c, tlist *A, tlist *B)
+{
+    c->release_gil = 0;
+    if (c->at.device >= 0)
+        return 0;
+    int64_t total = A->total + (B != NULL ? B->total : 0);
+    /* Staging (copies, copies back) runs torch ops, which release the GIL
+     * themselves: its storages are held whatever they cost. */
+    int staged = runs_torch(A) || (B != NULL && runs_torch(B));
+    if (!staged) {
+        if (total < GIL_RELEASE_MIN)
+            return 0;
+        int64_t stores = tlist_count_storages(st, A) + (B != NULL ? tlist_count_storages(st, B) : 0);
+        if (total / HOLD_MIN_ELEMS < stores)
+            return 0; /* keep the GIL: the holds would cost more than releasing it gains */
+    }
+    const char *op = c->at.op;
+    if (tlist_hold_storages(st, op, B != NULL ? "src" : "tensors", A) < 0 ||
+        (B != NULL && tlist_hold_storages(st, op, "dst", B) < 0))
+        return -1;
+    c->release_gil = 1;
+    return 0;
+}
+
 /* scale_reduce(op, tensors, mode, *, factor=None, found_inf=None, flags=None, per_tensor=None,
  *              out=None, refuse_fp16=False, factor_name="factor", device=-1, nthreads=1,
  *              stream=0, alloc=None)
@@ -82,6 +123,8 @@ PyObject *py_scale_reduce(PyObject *module, PyObject *args, PyObject *kwargs)
     if (tlist_gather(st, op, "tensors", seq, write, refuse_fp16, device, 0, &c.L) < 0)
         return NULL;
     PyObject *result = NULL;
+    if (hold_if_released(st, &c, &c.L, NULL) < 0)
+        goto done;
     if (parse_factor(st, op, factor_name, factor_o, device, &c.factor, &c.factor_ptr) < 0 ||
         check_outputs(st, &c, found_o, flags_o, c.L.n) < 0 ||
         opt_aux(st, op, "per_tensor", per_o, st->dtypes[AMPX_F32], c.L.n, device, &c.per_tensor) < 0 ||
@@ -90,6 +133,8 @@ PyObject *py_scale_reduce(PyObject *module, PyObject *args, PyObject *kwargs)
     if (write && tlist_sequential(&c.L, &c.sequential) < 0)
         goto done;
     if ((device < 0 ? cpu_scale_reduce(st, &c) : cuda_scale_reduce(st, &c)) < 0)
+        goto done;
+    if (write && tlist_bump_versions(st, &c.L) < 0) /* written: as torch's in-place ops */
         goto done;
     result = new_ref(Py_None);
 done:
@@ -126,6 +171,8 @@ PyObject *py_cast(PyObject *module, PyObject *args, PyObject *kwargs)
     if (gather_cast_lists(st, op, src_o, dst_o, c.at.device, c.stochastic, &c.S, &c.D) < 0)
         return NULL;
     PyObject *result = NULL;
+    if (hold_if_released(st, &c, &c.S, &c.D) < 0)
+        goto done;
     if (parse_factor(st, op, "inv_scale", factor_o, c.at.device, &c.factor, &c.factor_ptr) < 0 ||
         check_outputs(st, &c, found_o, flags_o, c.S.n) < 0 ||
         opt_aux(st, op, "rng", rng_o, st->dtype_u8, 16, c.at.device, &c.rng) < 0 ||
@@ -137,6 +184,8 @@ PyObject *py_cast(PyObject *module, PyObject *args, PyObject *kwargs)
         c.rng = NULL;
     }
     if ((c.at.device < 0 ? cpu_cast(st, &c) : cuda_cast(st, &c)) < 0)
+        goto done;
+    if (tlist_bump_versions(st, &c.D) < 0)
         goto done;
     result = new_ref(Py_None);
 done:

@@ -12,7 +12,9 @@
  *
  * The GIL: the CPU runner releases it around each run of the launcher over
  * GIL_RELEASE_MIN elements or more (the whole list, or one tensor on the
- * sequential path); the CUDA runner around its batched launches (the
+ * sequential path) when entry.c held the call's storages (release_gil: they
+ * must outlive a `t.data = ...` in another thread), which it does when the
+ * references cost little beside the work (HOLD_MIN_ELEMS); the CUDA runner around its batched launches (the
  * sequential path, which calls torch between launches, keeps it). Nothing
  * else runs without it.
  */
@@ -23,6 +25,12 @@
 
 /* Below this many elements a CPU call keeps the GIL: releasing it costs more. */
 #define GIL_RELEASE_MIN ((int64_t)1 << 14)
+/* A CPU call releases the GIL only with at least this many elements per
+ * storage it must hold (tlist_hold_storages): a hold costs about 0.2 us, the
+ * kernels about 0.1 ns an element, so the holds stay under ~10% of the work.
+ * Many small separate tensors (10,000 x 1,000) keep the GIL instead; views
+ * of one buffer release it. */
+#define HOLD_MIN_ELEMS ((int64_t)1 << 15)
 
 /* Where a call runs: the keywords every entry point takes. */
 typedef struct {
@@ -43,6 +51,7 @@ typedef struct {
     /* scale_reduce */
     int mode;                     /* a mode of AMPX_SCALE_MODE_LIST */
     int sequential;               /* one tensor at a time, in list order (tlist_sequential) */
+    int release_gil;              /* CPU: the storages are held, the GIL may be released (entry.c) */
     void *per_tensor, *total;
     tlist L;
     /* cast: S holds the pairs (cast_prepare), D the destinations */

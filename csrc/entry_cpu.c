@@ -13,14 +13,16 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
-/* Runs job over ts[0..n) (total elements in all); -1 with MemoryError when
- * the launcher cannot get its plan. */
-static int run_job(const ampx_job *job, const ampx_tensor *ts, Py_ssize_t n, int64_t total, int nthreads,
-                   ampx_partial *parts)
+/* Runs job over ts[0..n) (total elements in all), releasing the GIL when
+ * `release` (the call's storages are held: entry.c) and total is worth it;
+ * -1 with MemoryError when the launcher cannot get its plan. */
+static int run_job(const ampx_job *job, const ampx_tensor *ts, Py_ssize_t n, int64_t total, int release,
+                   int nthreads, ampx_partial *parts)
 {
     int rc;
-    if (total >= GIL_RELEASE_MIN) {
+    if (release && total >= GIL_RELEASE_MIN) {
         Py_BEGIN_ALLOW_THREADS
         rc = ampx_run(job, ts, n, nthreads, parts);
         Py_END_ALLOW_THREADS
@@ -67,7 +69,7 @@ static ampx_partial *new_parts(Py_ssize_t n)
 /* The sequential path: one tensor's job (tlist_each_staged). */
 typedef struct {
     const ampx_job *job;
-    int nthreads;
+    int release, nthreads;
     ampx_partial *parts;
 } one_by_one;
 
@@ -76,21 +78,109 @@ static int run_one(void *ctx, tlist *L, Py_ssize_t i)
     const one_by_one *s = (const one_by_one *)ctx;
     if (L->ts[i].numel == 0)
         return 0;
-    return run_job(s->job, &L->ts[i], 1, L->ts[i].numel, s->nthreads, &s->parts[i]);
+    return run_job(s->job, &L->ts[i], 1, L->ts[i].numel, s->release, s->nthreads, &s->parts[i]);
+}
+
+/* ---- coalesced spans ------------------------------------------------------ */
+
+/* Whether per-tensor flags can be told apart after a coalesced run. A read
+ * leaves the inputs in place, so they can be checked again. A write keeps
+ * them recognisable when the factor is finite, non-zero and at most 1 in
+ * magnitude (as the kernels round it): an output is then inf exactly where
+ * its input was inf and NaN exactly where its input was NaN (nothing finite
+ * overflows, nothing infinite meets a zero). */
+static int flags_recoverable(const entry_call *c)
+{
+    if (!(c->mode & AMPX_M_WRITE))
+        return 1;
+    if (!(c->mode & AMPX_M_SCALE))
+        return 1;
+    double f = fabs(c->factor);
+    float f32 = fabsf((float)c->factor);
+    return f > 0.0 && f <= 1.0 && f32 > 0.0f && f32 <= 1.0f;
+}
+
+/* The flags of tensors [a, b) of L, found again by a check-only run of each
+ * (after a span holding them reported a non-finite value: overflow steps
+ * only, so the extra read is rare). */
+static int recheck_flags(const entry_call *c, Py_ssize_t a, Py_ssize_t b, uint8_t *flags)
+{
+    const tlist *L = &c->L;
+    ampx_job job = {0, AMPX_M_CHECK, 1.0, 0, 0u, 0u};
+    for (Py_ssize_t i = a; i < b; i++) {
+        ampx_partial part = {0.0, 0u};
+        const ampx_tensor *t = &L->ts[i];
+        if (t->numel > 0 && run_job(&job, t, 1, t->numel, c->release_gil, c->at.nthreads, &part) < 0)
+            return -1;
+        flags[i] = (uint8_t)part.flags;
+    }
+    return 0;
+}
+
+/* Runs c over the spans of L (ampx_coalesce) when that pays and the outputs
+ * allow it: no per-tensor reductions, and flags only where they can be told
+ * apart afterwards. Returns 1 when it ran (outputs written), 0 when the
+ * caller should run tensor by tensor, -1 with an exception set. */
+static int try_spans(entry_call *c)
+{
+    const tlist *L = &c->L;
+    if (!ampx_coalesce_on || L->n < 2 || c->per_tensor != NULL || (c->flags != NULL && !flags_recoverable(c)))
+        return 0;
+    ampx_tensor *spans = (ampx_tensor *)malloc((size_t)L->n * sizeof *spans);
+    int64_t *first = (int64_t *)malloc(((size_t)L->n + 1u) * sizeof *first);
+    ampx_partial *parts = new_parts(L->n);
+    int rc = -1;
+    if (spans == NULL || first == NULL || parts == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto done;
+    }
+    int64_t m = 0;
+    ampx_coalesce(L->ts, L->n, spans, first, &m);
+    rc = 0;
+    if (m * 2 > L->n) /* little to merge: per tensor costs the same and keeps the usual bits */
+        goto done;
+    ampx_job job = {0, c->mode, c->factor, 0, 0u, 0u};
+    if ((rc = run_job(&job, spans, m, L->total, c->release_gil, c->at.nthreads, parts)) < 0)
+        goto done;
+    uint8_t *flags = (uint8_t *)c->flags;
+    if (flags != NULL)
+        memset(flags, 0, (size_t)L->n);
+    for (int64_t s = 0; s < m && rc == 0; s++)
+        if (flags != NULL && parts[s].flags != 0u)
+            rc = recheck_flags(c, first[s], first[s + 1], flags);
+    if (rc == 0) {
+        entry_call totals = *c;
+        totals.flags = NULL; /* written above, per tensor */
+        write_outputs(&totals, parts, m, AMPX_MODE_REDUCE(c->mode));
+        ampx_last_spans = m;
+        rc = 1;
+    }
+done:
+    free(spans);
+    free(first);
+    free(parts);
+    return rc;
 }
 
 int cpu_scale_reduce(mstate *st, entry_call *c)
 {
     tlist *L = &c->L;
+    ampx_last_spans = -1;
+    if (!c->sequential) {
+        int done = try_spans(c);
+        if (done != 0)
+            return done < 0 ? -1 : 0;
+    }
     ampx_partial *parts = new_parts(L->n);
     if (parts == NULL)
         return -1;
     ampx_job job = {0, c->mode, c->factor, 0, 0u, 0u};
     int rc;
     if (!c->sequential) {
-        rc = run_job(&job, L->ts, L->n, L->total, c->at.nthreads, parts);
+        rc = run_job(&job, L->ts, L->n, L->total, c->release_gil, c->at.nthreads, parts);
     } else {
-        one_by_one s = {&job, c->at.nthreads, parts};
+        one_by_one s = {&job, c->release_gil, c->at.nthreads, parts};
         rc = tlist_each_staged(st, L, run_one, &s);
     }
     if (rc == 0)
@@ -105,7 +195,7 @@ int cpu_cast(mstate *st, entry_call *c)
     if (parts == NULL)
         return -1;
     ampx_job job = {1, 0, c->factor, c->stochastic, c->seed, c->offset};
-    int rc = run_job(&job, c->S.ts, c->S.n, c->S.total, c->at.nthreads, parts);
+    int rc = run_job(&job, c->S.ts, c->S.n, c->S.total, c->release_gil, c->at.nthreads, parts);
     if (rc == 0)
         rc = cast_unstage(st, &c->D);
     if (rc == 0)

@@ -76,13 +76,39 @@ static int cuda_workspace(mstate *st, const char *op, PyObject *alloc, int64_t b
     return 0;
 }
 
-/* The launcher's view of a gathered list (malloc'd; the caller frees it). */
-static ampx_cu_tensor *cuda_tensors(const tlist *L)
+/* The launcher's view of a gathered list (malloc'd; the caller frees it), n
+ * entries. With `spans`, runs of back-to-back tensors become one entry each
+ * (ampx_coalesce), numbered 0..n-1: only for calls that want no per-tensor
+ * output and have no aliasing. */
+static ampx_cu_tensor *cuda_tensors(const tlist *L, int spans, Py_ssize_t *n)
 {
     ampx_cu_tensor *c = (ampx_cu_tensor *)calloc(L->n > 0 ? (size_t)L->n : 1u, sizeof *c);
-    if (c == NULL) {
+    ampx_tensor *sp = NULL;
+    int64_t *first = NULL;
+    if (c == NULL || (spans && ((sp = (ampx_tensor *)malloc((size_t)L->n * sizeof *sp)) == NULL ||
+                                (first = (int64_t *)malloc(((size_t)L->n + 1u) * sizeof *first)) == NULL))) {
+        free(c);
+        free(sp);
         PyErr_NoMemory();
         return NULL;
+    }
+    *n = L->n;
+    if (spans) {
+        int64_t m = 0;
+        ampx_coalesce(L->ts, L->n, sp, first, &m);
+        spans = m > 0; /* only empty tensors: as they are */
+        for (int64_t k = 0; k < m; k++) {
+            c[k].ptr = dptr(sp[k].ptr);
+            c[k].numel = sp[k].numel;
+            c[k].dtype = sp[k].dtype;
+            c[k].index = (uint32_t)k;
+        }
+        free(sp);
+        free(first);
+        if (spans) {
+            *n = (Py_ssize_t)m;
+            return c;
+        }
     }
     for (Py_ssize_t i = 0; i < L->n; i++) {
         c[i].ptr = dptr(L->ts[i].ptr);
@@ -99,6 +125,7 @@ static ampx_cu_tensor *cuda_tensors(const tlist *L)
 typedef struct {
     const ampx_cu_dev *dev;
     ampx_cu_tensor *cts;  /* owned */
+    Py_ssize_t n;         /* entries of cts */
     int64_t chunks;
     PyObject *ws_keep;    /* owned: the workspace tensor, or NULL */
     ampx_cu_deviceptr ws;
@@ -115,15 +142,16 @@ static void cuda_run_free(cuda_run *r)
 /* What every CUDA data call needs before its launches: the device (its module
  * loaded), the tensors in the launcher's form, and a workspace from torch's
  * allocator sized for them. */
-static int cuda_prepare(mstate *st, const entry_site *at, const ampx_cu_job *job, const tlist *L, cuda_run *r)
+static int cuda_prepare(mstate *st, const entry_site *at, const ampx_cu_job *job, const tlist *L, int spans,
+                        cuda_run *r)
 {
     memset(r, 0, sizeof *r);
     ampx_cu_error err;
     if ((r->dev = device_nogil(at->device, &err)) == NULL)
         return cu_raise(at->op, &err);
-    if ((r->cts = cuda_tensors(L)) == NULL)
+    if ((r->cts = cuda_tensors(L, spans, &r->n)) == NULL)
         return -1;
-    int64_t bytes = ampx_cu_workspace_bytes(job, r->cts, L->n, &r->chunks);
+    int64_t bytes = ampx_cu_workspace_bytes(job, r->cts, r->n, &r->chunks);
     if (bytes < 0) {
         PyErr_Format(PyExc_ValueError, "%s: too many elements for one call", at->op);
         return -1;
@@ -192,10 +220,12 @@ int cuda_scale_reduce(mstate *st, entry_call *c)
     if (!(c->mode & AMPX_M_CHECK))
         job.found_inf = job.flags_out = 0;
 
+    /* Spans when nothing per tensor is wanted and nothing aliases (ampx_coalesce). */
+    int spans = ampx_coalesce_on && !c->sequential && job.per_out == 0 && job.flags_out == 0;
     cuda_run r;
-    int rc = cuda_prepare(st, &c->at, &job, &c->L, &r);
+    int rc = cuda_prepare(st, &c->at, &job, &c->L, spans, &r);
     if (rc == 0 && !c->sequential) {
-        rc = cuda_run_batched(&c->at, &job, &r, c->L.n);
+        rc = cuda_run_batched(&c->at, &job, &r, r.n);
     } else if (rc == 0) {
         /* As on the CPU: one launch per tensor, in list order. */
         ampx_cu_error err;
@@ -223,7 +253,7 @@ int cuda_cast(mstate *st, entry_call *c)
     job.offset = c->offset;
     job.rng = dptr(c->rng);
     cuda_run r;
-    int rc = cuda_prepare(st, &c->at, &job, &c->S, &r);
+    int rc = cuda_prepare(st, &c->at, &job, &c->S, 0, &r);
     if (rc == 0)
         rc = cuda_run_batched(&c->at, &job, &r, c->S.n);
     if (rc == 0)

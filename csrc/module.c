@@ -134,6 +134,26 @@ static PyObject *py_set_parallel_threshold(PyObject *module, PyObject *args)
     return PyLong_FromLongLong(prev);
 }
 
+/* _set_coalesce(on) -> previous: whether back-to-back tensors run as one span (tests, benchmarks). */
+static PyObject *py_set_coalesce(PyObject *module, PyObject *args)
+{
+    (void)module;
+    int on;
+    if (!PyArg_ParseTuple(args, "p:_set_coalesce", &on))
+        return NULL;
+    int prev = ampx_coalesce_on;
+    ampx_coalesce_on = on;
+    return PyBool_FromLong(prev);
+}
+
+/* _last_spans() -> the spans the last CPU scale_reduce ran, or -1 if it ran per tensor (tests). */
+static PyObject *py_last_spans(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    return PyLong_FromLongLong((long long)ampx_last_spans);
+}
+
 #define KW(f) (PyCFunction)(void (*)(void))(f), METH_VARARGS | METH_KEYWORDS
 
 static PyMethodDef methods[] = {
@@ -143,6 +163,12 @@ static PyMethodDef methods[] = {
     {"_set_tensor_shim", py_set_tensor_shim, METH_VARARGS, "Turns the fast tensor read on or off (tests)."},
     {"_tensor_shim_storage_offset", py_tensor_shim_storage_offset, METH_NOARGS,
      "Where the probe found a TensorImpl's storage pointer (prefetch aim), or -1."},
+    {"_set_autograd", py_set_autograd, METH_VARARGS,
+     "Hands over torch's increment_version and is_inference_mode_enabled (called by ampx.ops)."},
+    {"_shim_version_counter", py_shim_version_counter, METH_O, "Address of a tensor's version counter (probe)."},
+    {"_shim_bump", py_shim_bump, METH_O, "Bumps a tensor's version from C (probe)."},
+    {"_shim_inference_mode", py_shim_inference_mode, METH_NOARGS, "Inference mode as C sees it (probe)."},
+    {"_set_versions", py_set_versions, METH_VARARGS, "Whether C bumps version counters itself (tests)."},
     {"scale_reduce", KW(py_scale_reduce), "Scale / check / reduce kernel over a tensor list, on its device."},
     {"cast", KW(py_cast), "Cast kernel between two tensor lists, on their device."},
     {"update_scale", KW(py_update_scale), "One loss-scale update of the tensors, on their device."},
@@ -156,6 +182,8 @@ static PyMethodDef methods[] = {
      "Where parallel CPU work runs: the loaded OpenMP runtime's path, or \"ampx pool\"."},
     {"simd_levels", py_simd_levels, METH_NOARGS, "SIMD levels this processor supports, best first."},
     {"set_simd", py_set_simd, METH_VARARGS, "Selects a SIMD level; returns the previous one."},
+    {"_set_coalesce", py_set_coalesce, METH_VARARGS, "Turns coalescing of back-to-back tensors on or off (tests)."},
+    {"_last_spans", py_last_spans, METH_NOARGS, "Spans of the last CPU scale_reduce, -1 if per tensor (tests)."},
     {"set_parallel_threshold", py_set_parallel_threshold, METH_VARARGS,
      "Sets the element count below which kernels run single-threaded; returns the previous one."},
     {NULL, NULL, 0, NULL},

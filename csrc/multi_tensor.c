@@ -8,6 +8,8 @@
 #include "threadpool.h"
 
 int64_t ampx_parallel_min = AMPX_PARALLEL_MIN_DEFAULT;
+int ampx_coalesce_on = 1;
+int64_t ampx_last_spans = -1;
 
 typedef struct {
     int64_t tensor;
@@ -37,6 +39,32 @@ void ampx_partial_combine(ampx_partial *a, const ampx_partial *b, int reduce)
     } else {
         a->acc += b->acc;
     }
+}
+
+void ampx_coalesce(const ampx_tensor *ts, int64_t n, ampx_tensor *spans, int64_t *first, int64_t *nspans)
+{
+    int64_t m = 0;
+    const char *end = NULL; /* where the open span's memory ends */
+    for (int64_t i = 0; i < n; i++) {
+        const ampx_tensor *t = &ts[i];
+        if (t->numel == 0) {
+            if (m == 0)
+                first[0] = 0; /* leading empties belong to the first span */
+            continue;
+        }
+        if (m > 0 && t->dtype == spans[m - 1].dtype && t->ptr == end) {
+            spans[m - 1].numel += t->numel;
+        } else {
+            if (m > 0)
+                first[m] = i;
+            else
+                first[0] = 0;
+            spans[m++] = *t;
+        }
+        end = t->ptr + t->numel * ampx_elem_size(t->dtype);
+    }
+    first[m] = n;
+    *nspans = m;
 }
 
 static void run_chunk(const plan_t *p, int64_t c)

@@ -25,6 +25,8 @@
 #define AMPX_PARALLEL_MIN_DEFAULT ((int64_t)1 << 18)
 
 extern int64_t ampx_parallel_min; /* settable by tests */
+extern int ampx_coalesce_on;       /* 1: runs of back-to-back tensors become spans (ampx_coalesce) */
+extern int64_t ampx_last_spans;    /* spans of the last coalesced CPU call, -1 if it ran per tensor (tests) */
 
 /* One tensor as the kernels see it: contiguous memory of numel elements. */
 typedef struct {
@@ -50,6 +52,20 @@ typedef struct {
  * GIL and must not be given Python objects. */
 int ampx_run(const ampx_job *job, const ampx_tensor *ts, int64_t n, int nthreads,
              ampx_partial *parts);
+
+/* Coalescing: consecutive tensors of ts[0..n) whose memory lies back to back
+ * (tensor k+1 starts where tensor k ends, same dtype: views of one flat
+ * buffer such as DDP's bucket views, FSDP's flat parameters or
+ * ampx.GradBuffer) become one span, streamed as one run of chunks. Writes
+ * the spans into spans[0..*nspans) and, for span s, the first tensor it
+ * covers into first[s]; first[*nspans] = n. Empty tensors join the span
+ * around them (they hold nothing); a list of only empty tensors gives no
+ * span. A span's index is that of its first tensor. The caller gives room
+ * for n spans and n + 1 firsts, and must not pass overlapping tensors (whose
+ * result would depend on the order of the work) or casts (whose stochastic
+ * rounding is keyed by tensor): only scale/check/reduce jobs whose results
+ * are wanted for the whole list, not per tensor, may run on spans. Pure C. */
+void ampx_coalesce(const ampx_tensor *ts, int64_t n, ampx_tensor *spans, int64_t *first, int64_t *nspans);
 
 /* Combines partial b into a (in that order) for reduction kind `reduce`. */
 void ampx_partial_combine(ampx_partial *a, const ampx_partial *b, int reduce);

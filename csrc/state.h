@@ -40,7 +40,7 @@ enum { AMPX_HOT_ATTR_LIST(AMPX_X_HOT_INDEX) AMPX_NUM_HOT_ATTRS };
 #define AMPX_STATE_NAMES(X)                                                                                \
     X(dtype) X(is_cpu) X(is_cuda) X(device) X(layout) X(numel) X(is_contiguous) X(data_ptr) X(contiguous) \
     X(copy_) X(grad) X(params) X(size) X(stride) X(nbytes) X(get_device) X(_cdata) X(resolve_neg)         \
-    X(detach)
+    X(detach) X(is_inference) X(untyped_storage)
 
 /* The other objects the state owns: X(field) for one, A(field, n) for an array. */
 #define AMPX_STATE_OBJECTS(X, A)                                                                           \
@@ -52,7 +52,9 @@ enum { AMPX_HOT_ATTR_LIST(AMPX_X_HOT_INDEX) AMPX_NUM_HOT_ATTRS };
     A(descr, AMPX_NUM_HOT_ATTRS) /* TensorBase's getset descriptors of the hot attributes */              \
     X(descr_is_cuda)            /* TensorBase.is_cuda, fetched on the first CUDA call */                  \
     X(descr_is_neg)             /* TensorBase.is_neg, fetched on the first cast */                        \
-    X(layout_error)             /* ampx._C.LayoutError, a ValueError */
+    X(layout_error)             /* ampx._C.LayoutError, a ValueError */                                   \
+    X(increment_version)        /* bumps a list's version counters (torch._C._increment_version) */      \
+    X(inference_mode_fn)        /* torch.is_inference_mode_enabled */
 
 typedef struct {
 #define AMPX_X_FIELD(f) PyObject *f;

@@ -25,6 +25,10 @@ void tlist_free(tlist *L)
     if (L->tmp != NULL)
         for (Py_ssize_t i = 0; i < L->n; i++)
             Py_XDECREF(L->tmp[i]);
+    for (Py_ssize_t k = 0; k < L->nholds; k++)
+        ampx_shim_release(L->holds[k]);
+    free(L->holds);
+    Py_XDECREF(L->pyholds);
     Py_XDECREF(L->seq);
     free(L->ts);
     free(L->nc);
@@ -33,6 +37,9 @@ void tlist_free(tlist *L)
     free(L->lo);
     free(L->hi);
     free(L->layout);
+    free(L->impl);
+    free(L->counter);
+    free(L->bump_py);
     memset(L, 0, sizeof *L);
 }
 
@@ -165,8 +172,11 @@ static int tlist_alloc(const char *op, const char *arg, PyObject *seq, tlist *L)
     L->lo = (uintptr_t *)calloc(m, sizeof *L->lo);
     L->hi = (uintptr_t *)calloc(m, sizeof *L->hi);
     L->layout = (uint64_t *)calloc(m, sizeof *L->layout);
+    L->impl = (uintptr_t *)calloc(m, sizeof *L->impl);
+    L->counter = (uintptr_t *)calloc(m, sizeof *L->counter);
+    L->bump_py = (unsigned char *)calloc(m, 1);
     if (L->ts == NULL || L->nc == NULL || L->neg == NULL || L->tmp == NULL || L->lo == NULL || L->hi == NULL ||
-        L->layout == NULL) {
+        L->layout == NULL || L->impl == NULL || L->counter == NULL || L->bump_py == NULL) {
         tlist_free(L);
         PyErr_NoMemory();
         return -1;
@@ -223,12 +233,106 @@ static int read_by_attributes(mstate *st, const char *op, const char *arg, PyObj
     return 0;
 }
 
+/* ---- version counters and inference tensors -------------------------------- */
+
+/* Whether torch.inference_mode() is on in this thread: 1, 0, or -1 with an
+ * exception set. */
+static int inference_mode(mstate *st)
+{
+    if (ampx_shim_versions_on())
+        return ampx_shim_inference_mode();
+    if (st->inference_mode_fn == NULL)
+        return 0;
+    PyObject *r = PyObject_CallObject(st->inference_mode_fn, NULL);
+    if (r == NULL)
+        return -1;
+    int on = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return on;
+}
+
+static int inference_error(const char *op, const char *arg, Py_ssize_t i)
+{
+    /* torch's rule and advice, in ampx's form (op, argument, position). */
+    PyErr_Format(PyExc_RuntimeError,
+                 "%s: %s[%zd] is an inference tensor, and in-place updates to inference tensors outside "
+                 "torch.inference_mode() are not allowed; make a clone to get a normal tensor, or call "
+                 "this inside torch.inference_mode() (nothing was written)",
+                 op, arg, i);
+    return -1;
+}
+
+/* For tensor i (t) of a written list: refuses an inference tensor outside
+ * inference mode (`infmode`), and notes how its counter will be bumped. */
+static int note_version(mstate *st, const char *op, const char *arg, Py_ssize_t i, PyObject *t, int infmode,
+                        tlist *L)
+{
+    if (ampx_shim_versions_on() && is_plain(st, t)) {
+        uintptr_t counter = ampx_shim_version_counter(ampx_shim_handle(t));
+        if (counter == 0) /* no counter: an inference tensor */
+            return infmode ? 0 : inference_error(op, arg, i);
+        L->impl[i] = ampx_shim_impl_word(t);
+        L->counter[i] = counter;
+        return 0;
+    }
+    PyObject *r = call0(t, st->s_is_inference);
+    if (r == NULL)
+        return -1;
+    int inf = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (inf < 0)
+        return -1;
+    if (inf)
+        return infmode ? 0 : inference_error(op, arg, i);
+    L->bump_py[i] = 1;
+    return 0;
+}
+
+/* Prefetch distance (tensors) of the bump loop: TensorImpls, out of cache
+ * after the kernels streamed the data. */
+#define PF_BUMP 8
+
+int tlist_bump_versions(mstate *st, const tlist *L)
+{
+    Py_ssize_t npy = 0;
+    const uintptr_t *hot = NULL; /* the handle bumped last, its TensorImpl in cache */
+    for (Py_ssize_t i = 0; i < L->n; i++) {
+        if (i + PF_BUMP < L->n && L->impl[i + PF_BUMP] != 0)
+            __builtin_prefetch((const void *)L->impl[i + PF_BUMP], 0, 3);
+        if (L->nc[i] || L->tmp[i] != NULL)
+            continue; /* written through a staged copy: its copy back (copy_) bumped it */
+        if (L->impl[i] != 0) {
+            /* Views of one buffer share their counter: bumping it through the tensor bumped
+             * last adds the same one without touching tensor i's TensorImpl again. */
+            if (hot == NULL || L->counter[i] != L->counter[hot - L->impl])
+                hot = &L->impl[i];
+            ampx_shim_bump(hot); /* a copy of the at::Tensor: one pointer, the tuple keeps it alive */
+        }
+        npy += L->bump_py[i];
+    }
+    if (npy == 0 || st->increment_version == NULL)
+        return 0;
+    PyObject *rest = PyList_New(npy);
+    if (rest == NULL)
+        return -1;
+    for (Py_ssize_t i = 0, k = 0; i < L->n; i++)
+        if (L->bump_py[i] && !L->nc[i] && L->tmp[i] == NULL)
+            PyList_SetItem(rest, k++, new_ref(tlist_item(L, i))); /* steals; cannot fail here */
+    PyObject *r = PyObject_CallFunctionObjArgs(st->increment_version, rest, NULL);
+    Py_DECREF(rest);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
 int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *seq, int write, int refuse_fp16,
                  int device, int want_neg, tlist *L)
 {
     if (tlist_alloc(op, arg, seq, L) < 0)
         return -1;
     int shim = ampx_shim_enabled();
+    int infmode = write ? inference_mode(st) : 0;
+    if (infmode < 0)
+        goto error;
     for (Py_ssize_t i = 0; i < L->n; i++) {
         PyObject *t = tlist_item(L, i);
         if (t == NULL)
@@ -256,6 +360,8 @@ int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *seq, int
             d->dtype = m.dtype;
             d->numel = m.numel;
             L->total += m.numel;
+            if (write && note_version(st, op, arg, i, t, infmode, L) < 0)
+                goto error;
             if (m.numel == 0)
                 continue;
             if (want_neg && neg_flag(st, t, &L->neg[i]) < 0)
@@ -265,7 +371,8 @@ int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *seq, int
             L->hi[i] = L->lo[i] + (uintptr_t)(m.numel * ampx_elem_size(m.dtype));
             continue;
         }
-        if (read_by_attributes(st, op, arg, t, i, write, refuse_fp16, device, want_neg, L) < 0) {
+        if (read_by_attributes(st, op, arg, t, i, write, refuse_fp16, device, want_neg, L) < 0 ||
+            (write && note_version(st, op, arg, i, t, infmode, L) < 0)) {
             with_context(op, arg, i);
             goto error;
         }
@@ -274,6 +381,109 @@ int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *seq, int
 error:
     tlist_free(L);
     return -1;
+}
+
+/* ---- storages held while the GIL is released ------------------------------- */
+
+/* obj.<name>() as an address or size (0 on error, with an exception set). */
+static int call_word(PyObject *obj, PyObject *name, uintptr_t *out)
+{
+    PyObject *r = call0(obj, name);
+    if (r == NULL)
+        return -1;
+    unsigned long long v = PyLong_AsUnsignedLongLong(r);
+    Py_DECREF(r);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *out = (uintptr_t)v;
+    return 0;
+}
+
+/* Holds the storage of tensor t from Python (t.untyped_storage()); its bytes
+ * are [*base, *end). */
+static int hold_from_python(mstate *st, tlist *L, PyObject *t, uintptr_t *base, uintptr_t *end)
+{
+    if (L->pyholds == NULL && (L->pyholds = PyList_New(0)) == NULL)
+        return -1;
+    PyObject *s = call0(t, st->s_untyped_storage);
+    if (s == NULL)
+        return -1;
+    uintptr_t nbytes = 0;
+    int rc = PyList_Append(L->pyholds, s);
+    if (rc == 0)
+        rc = call_word(s, st->s_data_ptr, base);
+    if (rc == 0)
+        rc = call_word(s, st->s_nbytes, &nbytes);
+    Py_DECREF(s);
+    *end = *base + nbytes;
+    return rc;
+}
+
+/* A tensor whose memory is not inside the storage held for it: another
+ * thread replaced its storage (`t.data = ...`) while the list was read (torch
+ * ops and some attribute reads release the GIL). */
+static int replaced_error(const char *op, const char *arg, Py_ssize_t i)
+{
+    PyErr_Format(PyExc_RuntimeError,
+                 "%s: %s[%zd] had its storage replaced (t.data = ...) by another thread while ampx read "
+                 "the list; nothing was written: do not change tensors' data while ampx works on them",
+                 op, arg, i);
+    return -1;
+}
+
+/* The storage of tensor i of L when known from C (0: unknown, held alone). */
+static uintptr_t storage_of(mstate *st, const tlist *L, Py_ssize_t i, int shim)
+{
+    PyObject *t = tlist_item(L, i);
+    return shim && is_plain(st, t) ? ampx_shim_storage_word(t) : 0;
+}
+
+int64_t tlist_count_storages(mstate *st, const tlist *L)
+{
+    int shim = ampx_shim_enabled();
+    int64_t count = 0;
+    uintptr_t last = 0;
+    for (Py_ssize_t i = 0; i < L->n; i++) {
+        if (L->ts[i].numel == 0)
+            continue;
+        uintptr_t s = storage_of(st, L, i, shim);
+        count += s == 0 || s != last;
+        last = s;
+    }
+    return count;
+}
+
+int tlist_hold_storages(mstate *st, const char *op, const char *arg, tlist *L)
+{
+    if (L->holds != NULL || L->pyholds != NULL || L->n == 0)
+        return 0; /* held already, or nothing to hold */
+    if ((L->holds = (void **)malloc((size_t)L->n * sizeof *L->holds)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int shim = ampx_shim_enabled();
+    uintptr_t last = 0;           /* the storage held last from C (0: none known) */
+    uintptr_t base = 0, end = 0;  /* the bytes of the storage held last */
+    for (Py_ssize_t i = 0; i < L->n; i++) {
+        PyObject *t = tlist_item(L, i);
+        if (L->ts[i].numel == 0)
+            continue; /* no memory touched */
+        uintptr_t s = storage_of(st, L, i, shim);
+        if (s == 0 || s != last) {
+            void *alias = s != 0 ? ampx_shim_hold_storage(t, &base, &end) : NULL;
+            if (alias != NULL) {
+                L->holds[L->nholds++] = alias;
+            } else if (hold_from_python(st, L, t, &base, &end) < 0) {
+                return -1;
+            }
+            last = alias != NULL ? s : 0;
+        }
+        /* The kernels use the pointer read by the gather: it must lie in what is held. Staged
+         * tensors are copied from (and back into) the tensor as it is then. */
+        if (!L->nc[i] && L->tmp[i] == NULL && (L->lo[i] < base || L->hi[i] > end || base == 0))
+            return replaced_error(op, arg, i);
+    }
+    return 0;
 }
 
 /* ---- written lists ---------------------------------------------------------- */

@@ -8,8 +8,8 @@
  * a Python exception set on failure.
  *
  * Ownership: a tlist owns a tuple of its tensors (so none dies while kernels
- * write through their pointers with the GIL released) and every staged copy
- * in tmp[]; tlist_free drops them all and may be called on a zeroed or freed
+ * write through their pointers with the GIL released), every staged copy in
+ * tmp[], and the storages it holds (tlist_hold_storages); tlist_free drops them all and may be called on a zeroed or freed
  * list. On failure tlist_gather and gather_cast_lists leave their lists freed.
  */
 #ifndef AMPX_TENSOR_LIST_H
@@ -29,6 +29,13 @@ typedef struct {
     PyObject **tmp;        /* n: owned contiguous copies, or NULL */
     uintptr_t *lo, *hi;    /* n: the memory each tensor's elements span (its own, not a copy's) */
     uint64_t *layout;      /* n: fingerprint of a non-contiguous tensor's sizes and strides (else 0) */
+    uintptr_t *impl;       /* n, written lists: the at::Tensor word (TensorImpl address) of a tensor
+                              whose counter C bumps itself (tlist_bump_versions), else 0 */
+    uintptr_t *counter;    /* n, written lists: the address of the version counter bumped from C */
+    unsigned char *bump_py;/* n, written lists: bumped through Python (state's increment_version) */
+    void **holds;          /* owned aliases keeping storages alive (tlist_hold_storages), nholds of them */
+    Py_ssize_t nholds;
+    PyObject *pyholds;     /* owned list of storages held from Python, or NULL */
     int any_nc;
     int64_t total;         /* elements in all */
 } tlist;
@@ -44,9 +51,35 @@ void tlist_free(tlist *L);
  * itself; its non-contiguous tensors are staged later (tlist_each_staged). A
  * read-only list gets contiguous copies of them here. `refuse_fp16` raises
  * torch's "Attempting to unscale FP16 gradients."; `want_neg` records each
- * tensor's negative bit in L->neg. */
+ * tensor's negative bit in L->neg. A written list may hold an inference
+ * tensor only inside torch.inference_mode() (torch's rule for in-place
+ * updates); its version counters are noted for tlist_bump_versions. */
 int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *seq, int write, int refuse_fp16,
                  int device, int want_neg, tlist *L);
+
+/* After a written list's kernels succeeded: adds one to each written
+ * tensor's version counter, as torch's in-place ops do (inference tensors,
+ * allowed inside torch.inference_mode() only, have none). Plain tensors are
+ * bumped from C (torch_shim.h), the others through the state's
+ * increment_version. */
+int tlist_bump_versions(mstate *st, const tlist *L);
+
+/* Before work that releases the GIL: keeps the storage of every tensor of L
+ * (argument `arg` of `op`) alive until tlist_free, even if another thread
+ * replaces a tensor's storage (`t.data = ...`) meanwhile; the kernels then
+ * touch memory that stays valid (the replaced storage simply no longer backs
+ * the tensor). Consecutive tensors sharing a storage (views of one buffer)
+ * cost one reference. Plain tensors are held from C (torch_shim.h), others
+ * through t.untyped_storage(). Checks that each pointer the gather read lies
+ * in the storage now held (a replacement while the list was read raises
+ * RuntimeError; nothing has been written then). Resizing a storage in place
+ * (untyped_storage().resize_) during the call is not covered: torch's own
+ * kernels are not safe from it either. */
+int tlist_hold_storages(mstate *st, const char *op, const char *arg, tlist *L);
+
+/* How many references tlist_hold_storages would take: the runs of
+ * consecutive non-empty tensors sharing one storage. */
+int64_t tlist_count_storages(mstate *st, const tlist *L);
 
 /* Whether a written list must be processed one tensor at a time, in list
  * order (it has a non-contiguous tensor, or two of its tensors share memory):

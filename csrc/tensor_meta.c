@@ -569,20 +569,28 @@ PyObject *py_enable_tensor_shim(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* The argument of a switch(on=None) function: 1 with *on set, 0 when it
+ * only asks (None), -1 with an exception set. */
+static int switch_arg(PyObject *args, const char *format, int *on)
+{
+    PyObject *on_o = Py_None;
+    if (!PyArg_ParseTuple(args, format, &on_o))
+        return -1;
+    if (on_o == Py_None)
+        return 0;
+    *on = PyObject_IsTrue(on_o);
+    return *on < 0 ? -1 : 1;
+}
+
 /* _set_tensor_shim(on=None) -> whether it was on; None only asks. Turning it
  * on needs a passed probe. */
 PyObject *py_set_tensor_shim(PyObject *module, PyObject *args)
 {
     mstate *st = state_of(module);
-    PyObject *on_o = Py_None;
-    if (!PyArg_ParseTuple(args, "|O:_set_tensor_shim", &on_o))
-        return NULL;
-    int was = ampx_shim_enabled();
-    if (on_o == Py_None)
-        return PyBool_FromLong(was);
-    int on = PyObject_IsTrue(on_o);
-    if (on < 0)
-        return NULL;
+    int was = ampx_shim_enabled(), on;
+    int ask = switch_arg(args, "|O:_set_tensor_shim", &on);
+    if (ask <= 0)
+        return ask < 0 ? NULL : PyBool_FromLong(was);
     if (on && (!ampx_shim_opened() || st->param_type == NULL)) {
         PyErr_SetString(PyExc_RuntimeError, "the tensor shim did not pass its start-up probe");
         return NULL;
@@ -596,4 +604,84 @@ PyObject *py_tensor_shim_storage_offset(PyObject *module, PyObject *unused)
     (void)module;
     (void)unused;
     return PyLong_FromLong(ampx_shim_storage_offset());
+}
+
+/* ---- autograd's version counters (torch_shim.h) --------------------------- */
+
+/* _set_autograd(increment_version, is_inference_mode_enabled): the Python
+ * functions used where C cannot bump or ask itself (ampx/ops.py). */
+PyObject *py_set_autograd(PyObject *module, PyObject *args)
+{
+    mstate *st = state_of(module);
+    PyObject *inc, *mode;
+    if (!PyArg_ParseTuple(args, "OO:_set_autograd", &inc, &mode))
+        return NULL;
+    if (!PyCallable_Check(inc) || !PyCallable_Check(mode)) {
+        PyErr_SetString(PyExc_TypeError, "_set_autograd: both arguments must be callable");
+        return NULL;
+    }
+    set_ref(&st->increment_version, inc);
+    set_ref(&st->inference_mode_fn, mode);
+    Py_RETURN_NONE;
+}
+
+/* A plain tensor's at::Tensor for the version functions, or NULL with TypeError. */
+static void *version_handle(mstate *st, PyObject *t)
+{
+    if (state_ready(st) < 0)
+        return NULL;
+    if (!ampx_shim_versions_found() || st->param_type == NULL ||
+        (Py_TYPE(t) != (PyTypeObject *)st->tensor_type && Py_TYPE(t) != (PyTypeObject *)st->param_type)) {
+        PyErr_SetString(PyExc_TypeError, "needs a plain torch.Tensor or Parameter and the probed shim");
+        return NULL;
+    }
+    return ampx_shim_handle(t);
+}
+
+/* _shim_version_counter(t) -> the address of t's counter (0: none). Probe only. */
+PyObject *py_shim_version_counter(PyObject *module, PyObject *t)
+{
+    void *h = version_handle(state_of(module), t);
+    return h == NULL ? NULL : PyLong_FromSize_t((size_t)ampx_shim_version_counter(h));
+}
+
+/* _shim_bump(t): adds one to t's version from C. Probe only; refuses a tensor
+ * without a counter (torch would throw, which C cannot catch). */
+PyObject *py_shim_bump(PyObject *module, PyObject *t)
+{
+    void *h = version_handle(state_of(module), t);
+    if (h == NULL)
+        return NULL;
+    if (ampx_shim_version_counter(h) == 0) {
+        PyErr_SetString(PyExc_ValueError, "_shim_bump: the tensor has no version counter");
+        return NULL;
+    }
+    ampx_shim_bump(h);
+    Py_RETURN_NONE;
+}
+
+/* _shim_inference_mode() -> whether C sees torch.inference_mode() on (None: not found). */
+PyObject *py_shim_inference_mode(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    if (!ampx_shim_versions_found())
+        Py_RETURN_NONE;
+    return PyBool_FromLong(ampx_shim_inference_mode());
+}
+
+/* _set_versions(on=None) -> whether C bumped counters itself; None only asks. */
+PyObject *py_set_versions(PyObject *module, PyObject *args)
+{
+    (void)module;
+    int was = ampx_shim_versions_on(), on;
+    int ask = switch_arg(args, "|O:_set_versions", &on);
+    if (ask <= 0)
+        return ask < 0 ? NULL : PyBool_FromLong(was);
+    if (on && !ampx_shim_versions_found()) {
+        PyErr_SetString(PyExc_RuntimeError, "torch's version-counter functions were not found");
+        return NULL;
+    }
+    ampx_shim_set_versions_on(on);
+    return PyBool_FromLong(was);
 }

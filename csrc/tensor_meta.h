@@ -77,4 +77,12 @@ PyObject *py_enable_tensor_shim(PyObject *module, PyObject *args);
 PyObject *py_set_tensor_shim(PyObject *module, PyObject *args);
 PyObject *py_tensor_shim_storage_offset(PyObject *module, PyObject *unused);
 
+/* Version counters and inference mode (torch_shim.h): the Python functions
+ * ops.py hands over and its start-up probe's helpers. */
+PyObject *py_set_autograd(PyObject *module, PyObject *args);
+PyObject *py_shim_version_counter(PyObject *module, PyObject *t);
+PyObject *py_shim_bump(PyObject *module, PyObject *t);
+PyObject *py_shim_inference_mode(PyObject *module, PyObject *unused);
+PyObject *py_set_versions(PyObject *module, PyObject *args);
+
 #endif /* AMPX_TENSOR_META_H */

@@ -22,6 +22,8 @@ typedef int32_t (*shim_ptr_fn)(void *, void **);
 typedef int32_t (*shim_i64_fn)(void *, int64_t *);
 typedef int32_t (*shim_get_i32_fn)(void *, int32_t *);
 typedef int32_t (*shim_bool_fn)(void *, bool *);
+typedef int32_t (*shim_reinterpret_fn)(void *, int64_t, const int64_t *, const int64_t *, int64_t, void **);
+typedef int32_t (*shim_delete_fn)(void *);
 
 static struct {
     int opened, enabled;
@@ -32,11 +34,113 @@ static struct {
     int32_t dt[AMPX_NUM_DTYPES]; /* torch's dtype value for each ampx code */
     int32_t cpu, cuda, strided;
     int storage_offset; /* byte offset of the StorageImpl pointer in a TensorImpl, or -1 */
+    /* autograd's version counters (optional: exported C++ functions, see torch_shim.h) */
+    const void *(*version_counter)(const void *);
+    void (*bump_version)(const void *);
+    bool (*inference_mode)(void);
+    int versions_on;
+    /* holding a storage (optional) */
+    shim_reinterpret_fn reinterpret;
+    shim_delete_fn delete_tensor;
+    shim_i64_fn storage_offset_of, storage_size;
 } S = {.storage_offset = -1};
 
 int ampx_shim_enabled(void) { return S.enabled; }
 int ampx_shim_opened(void) { return S.opened; }
 void ampx_shim_set_enabled(int on) { S.enabled = on && S.opened; }
+
+/* Looks up names[0..n) in h into the function-pointer fields slots[0..n)
+ * (each the size of a pointer): all of them, or none when one is missing. */
+static void look_up_all(void *h, const char *const *names, void *const *slots, int n)
+{
+#ifdef AMPX_HAVE_DLOPEN
+    void *found[8];
+    for (int k = 0; k < n; k++)
+        if ((found[k] = dlsym(h, names[k])) == NULL)
+            return;
+    for (int k = 0; k < n; k++)
+        memcpy(slots[k], &found[k], sizeof found[k]);
+#else
+    (void)h, (void)names, (void)slots, (void)n;
+#endif
+}
+
+/* The functions that hold a storage (torch_shim.h); any missing leaves holds
+ * to Python. */
+static void open_holds(void *h)
+{
+    static const char *const names[] = {"aoti_torch__reinterpret_tensor", "aoti_torch_delete_tensor_object",
+                                        "aoti_torch_get_storage_offset", "aoti_torch_get_storage_size"};
+    void *const slots[] = {&S.reinterpret, &S.delete_tensor, &S.storage_offset_of, &S.storage_size};
+    look_up_all(h, names, slots, 4);
+}
+
+/* The version-counter functions (torch_shim.h); any missing leaves them off.
+ * Itanium-mangled names of functions taking `const at::Tensor&`, which is the
+ * address of an at::Tensor: what ampx_shim_handle returns. The last is in
+ * libc10, a dependency that dlsym searches too. */
+static void open_versions(void *h)
+{
+    static const char *const names[] = {"_ZN5torch8autograd4impl15version_counterERKN2at6TensorE",
+                                        "_ZN5torch8autograd4impl12bump_versionERKN2at6TensorE",
+                                        "_ZN3c1013InferenceMode10is_enabledEv"};
+    void *const slots[] = {(void *)&S.version_counter, (void *)&S.bump_version, (void *)&S.inference_mode};
+    look_up_all(h, names, slots, 3);
+}
+
+int ampx_shim_versions_found(void) { return S.opened && S.version_counter != NULL; }
+int ampx_shim_versions_on(void) { return S.versions_on; }
+void ampx_shim_set_versions_on(int on) { S.versions_on = on && ampx_shim_versions_found(); }
+
+uintptr_t ampx_shim_version_counter(const void *handle)
+{
+    /* version_counter() returns the TensorImpl's VariableVersion, whose one
+     * member is the intrusive pointer to the counter: null for an inference
+     * tensor. */
+    uintptr_t w;
+    memcpy(&w, S.version_counter(handle), sizeof w);
+    return w;
+}
+
+void ampx_shim_bump(const void *handle) { S.bump_version(handle); }
+
+int ampx_shim_inference_mode(void) { return S.inference_mode() ? 1 : 0; }
+
+void *ampx_shim_hold_storage(PyObject *t, uintptr_t *base, uintptr_t *end)
+{
+    if (S.reinterpret == NULL)
+        return NULL;
+    /* A one-element view at the storage's start: a new TensorImpl (torch's
+     * _reinterpret_tensor) sharing t's StorageImpl, whose data pointer is the
+     * storage's first byte. */
+    void *h = ampx_shim_handle(t), *alias = NULL, *p = NULL;
+    int64_t off = 0, nbytes = 0;
+    const int64_t size = 1, stride = 1;
+    if (S.storage_offset_of(h, &off) != 0 || S.reinterpret(h, 1, &size, &stride, -off, &alias) != 0)
+        return NULL;
+    if (S.storage_size(alias, &nbytes) != 0 || nbytes < 0 || (nbytes > 0 && S.data_ptr(alias, &p) != 0)) {
+        S.delete_tensor(alias);
+        return NULL;
+    }
+    *base = (uintptr_t)p;
+    *end = *base + (uintptr_t)nbytes;
+    return alias;
+}
+
+void ampx_shim_release(void *alias)
+{
+    if (alias != NULL)
+        S.delete_tensor(alias);
+}
+
+uintptr_t ampx_shim_storage_word(PyObject *t)
+{
+    if (S.storage_offset < 0)
+        return 0;
+    uintptr_t impl = ampx_shim_impl_word(t), storage;
+    memcpy(&storage, (const char *)impl + S.storage_offset, sizeof storage);
+    return storage;
+}
 
 const char *ampx_shim_open(const char *path)
 {
@@ -82,6 +186,8 @@ const char *ampx_shim_open(const char *path)
     S.cuda = cuda();
     S.strided = strided();
     S.opened = 1;
+    open_versions(h);
+    open_holds(h);
     return NULL;
 #endif
 }
@@ -175,10 +281,9 @@ void ampx_shim_prefetch2(PyObject *t)
 
 void ampx_shim_prefetch3(PyObject *t)
 {
-    if (S.storage_offset < 0)
+    uintptr_t storage = ampx_shim_storage_word(t);
+    if (storage == 0)
         return;
-    uintptr_t impl = ampx_shim_impl_word(t), storage;
-    memcpy(&storage, (const char *)impl + S.storage_offset, sizeof storage);
     PREFETCH(storage);
     PREFETCH(storage + 64);
 }

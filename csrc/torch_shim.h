@@ -81,4 +81,39 @@ void ampx_shim_prefetch1(PyObject *t);
 void ampx_shim_prefetch2(PyObject *t);
 void ampx_shim_prefetch3(PyObject *t);
 
+/* Holding a tensor's storage while the GIL is released: `t.data = other`
+ * (another thread) swaps the StorageImpl inside t's own TensorImpl, so holding
+ * t (or its TensorImpl) does not keep the old memory alive. A second
+ * TensorImpl sharing the StorageImpl does: ampx_shim_hold_storage makes one
+ * (a one-element view at the storage's start, through
+ * aoti_torch__reinterpret_tensor) and returns its handle, the storage's
+ * bytes in [*base, *end), or NULL when it cannot (the caller then holds it
+ * from Python); ampx_shim_release deletes it (with the GIL held: it may free
+ * the storage). */
+void *ampx_shim_hold_storage(PyObject *t, uintptr_t *base, uintptr_t *end);
+void ampx_shim_release(void *alias);
+/* The StorageImpl address of plain tensor t (the probe's offset), 0 when
+ * unknown: tells which consecutive tensors share one storage. */
+uintptr_t ampx_shim_storage_word(PyObject *t);
+
+/* Autograd's version counters and inference mode, from three exported C++
+ * functions of libtorch/libc10 (torch::autograd::impl::version_counter and
+ * bump_version, c10::InferenceMode::is_enabled), found with dlsym beside the
+ * shim; each takes or returns plain pointers. They are used only once a
+ * start-up probe (ampx/ops.py) saw them agree with torch's Python view on
+ * probe tensors (ampx_shim_set_versions_on), and only on plain tensors.
+ * bump_version throws (which C cannot survive) only for an undefined tensor
+ * or one with no counter (an inference tensor) outside inference mode: the
+ * callers bump only tensors whose counter they saw non-null. */
+int ampx_shim_versions_found(void);
+int ampx_shim_versions_on(void);
+void ampx_shim_set_versions_on(int on);
+/* The address of the counter of the tensor whose at::Tensor is at handle (0
+ * for an inference tensor, which has none). */
+uintptr_t ampx_shim_version_counter(const void *handle);
+/* Adds one to the version of the tensor at handle; its counter must be non-null. */
+void ampx_shim_bump(const void *handle);
+/* Whether torch.inference_mode() is on in the calling thread. */
+int ampx_shim_inference_mode(void);
+
 #endif /* AMPX_TORCH_SHIM_H */

@@ -21,5 +21,6 @@ LD_PRELOAD="$asan:$ubsan" ASAN_OPTIONS=detect_leaks=0 \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONPATH="$work" \
   "$V/python" -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_errors.py \
   tests/test_numerics.py tests/test_refcounts.py tests/test_threads.py tests/test_cuda.py \
-  tests/test_tensor_shim.py tests/test_errors_table.py tests/test_versions.py \
+  tests/test_tensor_shim.py tests/test_errors_table.py tests/test_versions.py tests/test_coalesce.py \
+  tests/test_storage_hold.py \
   -k "not emulated and not launcher"

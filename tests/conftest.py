@@ -131,6 +131,17 @@ def use_simd(level):
 
 
 @contextlib.contextmanager
+def switched(setter, value):
+    """Runs the block with a switch of ampx._C (setter(value) -> previous value) set, then
+    restores it."""
+    prev = setter(value)
+    try:
+        yield
+    finally:
+        setter(prev)
+
+
+@contextlib.contextmanager
 def force_threads(nthreads=4):
     """Every call, however small, goes through the thread pool."""
     prev_thr = ampx._C.set_parallel_threshold(0)
