@@ -52,16 +52,22 @@ void ampx_coalesce(const ampx_tensor *ts, int64_t n, ampx_tensor *spans, int64_t
                 first[0] = 0; /* leading empties belong to the first span */
             continue;
         }
-        if (m > 0 && t->dtype == spans[m - 1].dtype && t->ptr == end) {
-            spans[m - 1].numel += t->numel;
+        size_t bytes = (size_t)t->numel * ampx_elem_size(t->dtype);
+        ampx_tensor *open = m > 0 ? &spans[m - 1] : NULL;
+        if (open != NULL && t->dtype == open->dtype && t->ptr == end) {
+            open->numel += t->numel; /* ascending: starts where the span ends */
+            end = t->ptr + bytes;
+        } else if (open != NULL && t->dtype == open->dtype && t->ptr + bytes == open->ptr) {
+            open->ptr = t->ptr; /* descending (DDP's bucket views): ends where the span starts */
+            open->numel += t->numel;
         } else {
             if (m > 0)
                 first[m] = i;
             else
                 first[0] = 0;
             spans[m++] = *t;
+            end = t->ptr + bytes;
         }
-        end = t->ptr + t->numel * ampx_elem_size(t->dtype);
     }
     first[m] = n;
     *nspans = m;

@@ -54,9 +54,11 @@ int ampx_run(const ampx_job *job, const ampx_tensor *ts, int64_t n, int nthreads
              ampx_partial *parts);
 
 /* Coalescing: consecutive tensors of ts[0..n) whose memory lies back to back
- * (tensor k+1 starts where tensor k ends, same dtype: views of one flat
- * buffer such as DDP's bucket views, FSDP's flat parameters or
- * ampx.GradBuffer) become one span, streamed as one run of chunks. Writes
+ * (same dtype, tensor k+1 starting where the span so far ends or ending
+ * where it starts: views of one flat buffer in either order, such as DDP's
+ * bucket views, which lie in descending addresses in parameter order,
+ * FSDP's flat parameters or ampx.GradBuffer) become one span, streamed as
+ * one run of chunks. Writes
  * the spans into spans[0..*nspans) and, for span s, the first tensor it
  * covers into first[s]; first[*nspans] = n. Empty tensors join the span
  * around them (they hold nothing); a list of only empty tensors gives no
