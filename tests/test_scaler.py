@@ -3,6 +3,7 @@ import logging
 import math
 import pickle
 import random
+import warnings
 
 import pytest
 import torch
@@ -624,3 +625,27 @@ def test_a_disabled_scaler_falls_back_to_torchs_clip_where_ampx_cannot_read(monk
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
     assert torch.equal(got, want) and scaler.stats()["last_norm"] == want.item()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+class _DrivesScaler(torch.optim.SGD):
+    """An optimizer on torch's deprecated contract: its step takes the scaler itself."""
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None, grad_scaler=None):
+        self.seen.append(grad_scaler)
+        grad_scaler._check_inf_per_device(self)  # what such optimizers do with it
+
+
+def test_optimizer_taking_grad_scaler_is_handed_the_scaler_every_step():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = _DrivesScaler([p], lr=0.1)
+    opt.seen = []
+    scaler = ampx.GradScaler("cpu")
+    for _ in range(3):  # the signature check is cached after the first step: still right
+        scaler.scale(p.sum()).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            scaler.step(opt)
+        scaler.update()
+    assert opt.seen == [scaler] * 3
+    assert ampx.scaler._drives_scaler_itself(torch.optim.SGD([p]).step) is False
