@@ -228,8 +228,13 @@ class MasterWeights(torch.optim.Optimizer):
         bookkeeping says it should hold another value (a new seed, a loaded checkpoint): after
         CUDA-graph replays it is ahead of the host's count, and the device's count wins."""
         if self._rng is None or self._rng_key != (self.seed, offset, device):
-            signed = [v - 2**64 if v >= 2**63 else v for v in (self.seed, offset)]
-            self._rng = torch.tensor(signed, dtype=torch.int64, device=device)
+            signed = torch.tensor([v - 2**64 if v >= 2**63 else v for v in (self.seed, offset)], dtype=torch.int64)
+            if self._rng is not None and self._rng.device == torch.device(device):
+                # In place: a captured graph keeps reading (and advancing) this very tensor, so
+                # rebinding it would leave the graph on freed memory.
+                self._rng.copy_(signed)
+            else:
+                self._rng = signed.to(device)
             self._rng_key = (self.seed, offset, device)
         return self._rng
 
@@ -295,6 +300,10 @@ class MasterWeights(torch.optim.Optimizer):
                 m.copy_(saved)
             # The last write-back of the saved run: step steps-1's, with its rounding and offset.
             if rounding == "stochastic" and steps > 0:
+                # Rewritten from the checkpoint whatever the device tensor holds (graph replays
+                # may have moved it past any host count).
+                if self._rng is not None:
+                    self._rng_key = None
                 self._write_back("stochastic", steps - 1)
             else:
                 self._write_back("nearest", 0)

@@ -359,3 +359,30 @@ def test_master_weights_device_key_outruns_the_host_after_replays(monkeypatch):
     opt2.load_state_dict(sd)
     assert torch.equal(model2.weight.view(torch.int16), model.weight.view(torch.int16))
     assert opt2.state_dict()["ampx_master_weights"]["steps"] == 6
+
+
+def test_master_weights_device_key_is_rewritten_in_place(monkeypatch):
+    # A captured graph holds the key tensor's address: a load or a new seed must write into that
+    # tensor, never rebind it (the graph would read and advance freed memory).
+    model, opt, x = _master_run(monkeypatch, True, 2)
+    captured = opt._rng.data_ptr()
+    opt.load_state_dict(opt.state_dict())
+    assert opt._rng.data_ptr() == captured
+    opt.seed = 8
+    opt.zero_grad()
+    model(x).float().square().mean().backward()
+    opt.step()
+    assert opt._rng.data_ptr() == captured and opt._rng.tolist() == [8, 3]
+
+
+def test_master_weights_load_rewrites_a_device_key_that_ran_ahead(monkeypatch):
+    # The loading optimizer's own device key ran ahead (replays) to exactly the value the
+    # checkpoint's last write-back needs on the host's count: the load must still write the
+    # checkpoint's parameters, with the checkpoint's offset.
+    saved, osaved, _ = _master_run(monkeypatch, True, 2)
+    sd = osaved.state_dict()
+    model, opt, _ = _master_run(monkeypatch, True, 1)
+    opt._rng[1:].add_(3)  # three replays: the device's offset is 4, the host's count 1
+    opt.load_state_dict(sd)
+    assert torch.equal(model.weight.view(torch.int16), saved.weight.view(torch.int16))
+    assert opt.state_dict()["ampx_master_weights"]["steps"] == 2
