@@ -423,7 +423,8 @@ def test_lightning_optimizer_is_unwrapped_and_never_unscaled_twice(kind, callbac
     assert_params_close(model.net, ref)
 
 
-def test_hooks_that_read_gradients_see_them_unscaled(clip_calls):
+@pytest.mark.parametrize("kind", ["foreach", "fused"])
+def test_hooks_that_read_gradients_see_them_unscaled(clip_calls, kind):
     seen = []
 
     class GradNorm(L.Callback):
@@ -432,7 +433,7 @@ def test_hooks_that_read_gradients_see_them_unscaled(clip_calls):
                 torch.stack([torch.linalg.vector_norm(p.grad) for p in pl_module.parameters()]))))
 
     plugin = AmpxPrecision("16-mixed")
-    fit(Net("foreach"), plugin, batches(3), gradient_clip_val=100.0, callbacks=[GradNorm()])
+    fit(Net(kind), plugin, batches(3), gradient_clip_val=100.0, callbacks=[GradNorm()])
     assert len(clip_calls) == 3
     assert seen[-1] == pytest.approx(plugin.scaler.stats()["last_norm"], rel=1e-5)
     assert seen[-1] < 100.0  # unscaled: the scaled norm would be ~65536 times larger

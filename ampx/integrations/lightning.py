@@ -135,9 +135,10 @@ class AmpxPrecision(MixedPrecision):
             # schedule goes on, as with the stock plugin)
             self._last_skipped[id(optimizer)] = False
             return closure_result
-        if (id(optimizer) not in self._unscaled and not _handles_unscaling(optimizer)
-                and _hooks_read_gradients(model)):
-            # Lightning's contract: hooks that may read gradients see them unscaled.
+        if id(optimizer) not in self._unscaled and _hooks_read_gradients(model):
+            # Lightning's contract: hooks that may read gradients see them unscaled, fused
+            # optimizers included (the stock plugin leaves theirs scaled; ampx's scaler steps a
+            # fused optimizer after unscale_ with no grad_scale).
             self.scaler.unscale_(optimizer)
             self._unscaled.add(id(optimizer))
         self._after_closure(model, optimizer)  # on_before_optimizer_step, then clipping
@@ -205,10 +206,6 @@ def _unwrap(optimizer):
     while isinstance(optimizer, LightningOptimizer):
         optimizer = optimizer.optimizer
     return optimizer
-
-
-def _handles_unscaling(optimizer):
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 def _hooks_read_gradients(model):
