@@ -90,6 +90,23 @@ static int hold_if_released(mstate *st, entry_call *c, tlist *A, tlist *B)
     return 0;
 }
 
+/* With the GIL to be released, the outputs' storages are held too (their pointers were read
+ * by check_outputs/opt_aux): another thread's `found_inf.data = ...` must not free memory the
+ * call then writes. */
+static int hold_outputs(mstate *st, entry_call *c, PyObject *found_o, PyObject *flags_o, PyObject *per_o,
+                        PyObject *out_o)
+{
+    if (!c->release_gil)
+        return 0;
+    const char *op = c->at.op;
+    if (tlist_hold_output(st, &c->O, op, "found_inf", found_o, c->found_inf) < 0 ||
+        tlist_hold_output(st, &c->O, op, "flags", flags_o, c->flags) < 0 ||
+        tlist_hold_output(st, &c->O, op, "per_tensor", per_o, c->per_tensor) < 0 ||
+        tlist_hold_output(st, &c->O, op, "out", out_o, c->total) < 0)
+        return -1;
+    return 0;
+}
+
 /* scale_reduce(op, tensors, mode, *, factor=None, found_inf=None, flags=None, per_tensor=None,
  *              out=None, refuse_fp16=False, factor_name="factor", device=-1, nthreads=1,
  *              stream=0, alloc=None)
@@ -128,7 +145,8 @@ PyObject *py_scale_reduce(PyObject *module, PyObject *args, PyObject *kwargs)
     if (parse_factor(st, op, factor_name, factor_o, device, &c.factor, &c.factor_ptr) < 0 ||
         check_outputs(st, &c, found_o, flags_o, c.L.n) < 0 ||
         opt_aux(st, op, "per_tensor", per_o, st->dtypes[AMPX_F32], c.L.n, device, &c.per_tensor) < 0 ||
-        opt_aux(st, op, "out", out_o, st->dtypes[AMPX_F32], 1, device, &c.total) < 0)
+        opt_aux(st, op, "out", out_o, st->dtypes[AMPX_F32], 1, device, &c.total) < 0 ||
+        hold_outputs(st, &c, found_o, flags_o, per_o, out_o) < 0)
         goto done;
     if (write && tlist_sequential(&c.L, &c.sequential) < 0)
         goto done;
@@ -139,6 +157,7 @@ PyObject *py_scale_reduce(PyObject *module, PyObject *args, PyObject *kwargs)
     result = new_ref(Py_None);
 done:
     tlist_free(&c.L);
+    tlist_free(&c.O);
     return result;
 }
 
@@ -176,7 +195,7 @@ PyObject *py_cast(PyObject *module, PyObject *args, PyObject *kwargs)
     if (parse_factor(st, op, "inv_scale", factor_o, c.at.device, &c.factor, &c.factor_ptr) < 0 ||
         check_outputs(st, &c, found_o, flags_o, c.S.n) < 0 ||
         opt_aux(st, op, "rng", rng_o, st->dtype_u8, 16, c.at.device, &c.rng) < 0 ||
-        cast_prepare(st, op, &c.S, &c.D) < 0)
+        hold_outputs(st, &c, found_o, flags_o, Py_None, Py_None) < 0 || cast_prepare(st, op, &c.S, &c.D) < 0)
         goto done;
     if (c.rng != NULL && c.at.device < 0) { /* host memory: read it now */
         memcpy(&c.seed, c.rng, sizeof c.seed);
@@ -191,6 +210,7 @@ PyObject *py_cast(PyObject *module, PyObject *args, PyObject *kwargs)
 done:
     tlist_free(&c.S);
     tlist_free(&c.D);
+    tlist_free(&c.O);
     return result;
 }
 

@@ -59,6 +59,7 @@ typedef struct {
     uint64_t seed, offset;
     void *rng;                    /* CUDA: {seed, offset} as 16 bytes on the device, read by the kernel; else NULL */
     tlist S, D;
+    tlist O;                      /* only holds: the outputs' storages, when the GIL is released (entry.c) */
 } entry_call;
 
 /* A validated update_scale: the tensors' addresses on the call's device. */

@@ -486,6 +486,24 @@ int tlist_hold_storages(mstate *st, const char *op, const char *arg, tlist *L)
     return 0;
 }
 
+int tlist_hold_output(mstate *st, tlist *H, const char *op, const char *arg, PyObject *t, const void *p)
+{
+    if (t == Py_None || p == NULL)
+        return 0;
+    uintptr_t base = 0, end = 0;
+    /* From Python: at most four small outputs, on calls big enough to release the GIL. */
+    if (hold_from_python(st, H, t, &base, &end) < 0)
+        return -1;
+    if ((uintptr_t)p < base || (uintptr_t)p >= end) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s: %s had its storage replaced (t.data = ...) by another thread while ampx read "
+                     "it; nothing was written: do not change tensors' data while ampx works on them",
+                     op, arg);
+        return -1;
+    }
+    return 0;
+}
+
 /* ---- written lists ---------------------------------------------------------- */
 
 int tlist_sequential(const tlist *L, int *sequential)

@@ -76,6 +76,11 @@ int tlist_bump_versions(mstate *st, const tlist *L);
  * (untyped_storage().resize_) during the call is not covered: torch's own
  * kernels are not safe from it either. */
 int tlist_hold_storages(mstate *st, const char *op, const char *arg, tlist *L);
+/* Holds the storage of one output tensor t (found_inf, flags, per_tensor, out: `arg`) whose data
+ * pointer p was read, in H (a zeroed tlist used only as a holder; tlist_free drops the hold),
+ * so that a GIL-released call never writes into a storage another thread freed. None or a NULL
+ * p holds nothing. Raises RuntimeError when p no longer lies in t's storage (replaced meanwhile). */
+int tlist_hold_output(mstate *st, tlist *H, const char *op, const char *arg, PyObject *t, const void *p);
 
 /* How many references tlist_hold_storages would take: the runs of
  * consecutive non-empty tensors sharing one storage. */

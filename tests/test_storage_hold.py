@@ -7,7 +7,7 @@ an AddressSanitizer report anywhere). ampx holds each storage (one reference per
 of one buffer) for the call. Covers: separate large tensors, views of one buffer whose only
 owners are the views, a cast's source and destination lists, a read-only norm, a staged
 (non-contiguous) list, and a Parameter list, each against a thread that keeps replacing `.data`
-of the list's members (a replacement while ampx reads the list, possible where reading it
+of the list's members, or of the found_inf and flags outputs (a replacement while ampx reads the list, possible where reading it
 runs torch code, is refused with RuntimeError before anything is written); and that many small separate tensors keep the GIL instead (the holds
 would cost more than releasing it gains) while views of one buffer release it.
 
@@ -65,6 +65,12 @@ CASES = {
     "staged": ("ts = [torch.randn(N), torch.randn(512, 512).t(), torch.randn(N)]", "[ts[0], ts[2]]",
                "ops.unscale_(ts, 0.5, torch.zeros(1))"),
     "parameters": ("ts = [torch.nn.Parameter(torch.randn(N)) for _ in range(4)]", "ts", "ops.norm(ts, 1.0)"),
+    # the outputs: written after the GIL-free kernels, from pointers read before
+    "outputs": ("ts = [torch.randn(N) for _ in range(4)]; outs = [torch.zeros(1), torch.zeros(4, dtype=torch.uint8)]",
+                "outs", "ops.unscale_norm_(ts, 1.0, outs[0], flags=outs[1])"),
+    "cast outputs": ("src = [torch.randn(N) for _ in range(4)]; dst = [torch.empty(N, dtype=torch.bfloat16) "
+                     "for _ in range(4)]; outs = [torch.zeros(1), torch.zeros(4, dtype=torch.uint8)]", "outs",
+                     "ops.cast_(src, dst, inv_scale=0.5, found_inf=outs[0], flags=outs[1])"),
 }
 
 
