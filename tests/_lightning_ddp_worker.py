@@ -56,6 +56,11 @@ def main(outdir):
     }
     with open(os.path.join(outdir, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(out, f)
+    # Lightning leaves the gloo group up; torn down at interpreter exit it can abort the process
+    # ("terminate called without an active exception", seen once in CI): end it here, together.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
