@@ -275,12 +275,8 @@ static int note_version(mstate *st, const char *op, const char *arg, Py_ssize_t 
         L->counter[i] = counter;
         return 0;
     }
-    PyObject *r = call0(t, st->s_is_inference);
-    if (r == NULL)
-        return -1;
-    int inf = PyObject_IsTrue(r);
-    Py_DECREF(r);
-    if (inf < 0)
+    int inf;
+    if (take_bool(call0(t, st->s_is_inference), &inf) < 0)
         return -1;
     if (inf)
         return infmode ? 0 : inference_error(op, arg, i);

@@ -48,8 +48,7 @@ int get_int64(PyObject *obj, PyObject *method, int64_t *out)
     return 0;
 }
 
-/* The truth of r, a new reference it consumes (NULL: an error already set). */
-static int take_bool(PyObject *r, int *out)
+int take_bool(PyObject *r, int *out)
 {
     if (r == NULL)
         return -1;

@@ -27,6 +27,8 @@ int tensor_device_key(mstate *st, PyObject *t, int *key);
 
 /* Calls obj.<name>() (new reference, NULL on error). */
 PyObject *call0(PyObject *obj, PyObject *name);
+/* The truth of r, a new reference it consumes (NULL: an error already set), into *out; -1 on error. */
+int take_bool(PyObject *r, int *out);
 
 /* obj.<method>() as an int64. */
 int get_int64(PyObject *obj, PyObject *method, int64_t *out);
