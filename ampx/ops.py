@@ -136,11 +136,19 @@ def _threads():
     return _FIXED_THREADS if _FIXED_THREADS is not None else torch.get_num_threads()
 
 
-def _on(op, device):
-    """Where a _C call runs, as its keywords: the CPU (device -1) with its thread count, or a
-    CUDA device with its current stream and workspace allocator (``ampx.cuda``)."""
+# How a CPU call's threads share its tensors (multi_tensor.h): long runs handed out as threads
+# come free, or each thread the part of each tensor that torch's next kernel will give the thread
+# of the same number (its fused optimizers / its elementwise ops), so that each core finds in its
+# own cache what it will write next. The scaler picks by optimizer (GradScaler._split).
+SPLIT_DYNAMIC, SPLIT_FUSED, SPLIT_ELEMENTWISE = 0, 1, 2
+
+
+def _on(op, device, split=SPLIT_DYNAMIC):
+    """Where a _C call runs, as its keywords: the CPU (device -1) with its thread count (and how
+    they share the work), or a CUDA device with its current stream and workspace allocator
+    (``ampx.cuda``)."""
     if device < 0:
-        return {"nthreads": _threads()}
+        return {"nthreads": _threads(), "split": split} if split else {"nthreads": _threads()}
     return _cuda._launch_args(op, device)
 
 
@@ -293,7 +301,7 @@ def check_finite(tensors, found_inf, *, flags=None):
     _C.scale_reduce(op, tensors, _CHECK, found_inf=found_inf, flags=flags, **_on(op, _cuda_device(tensors)))
 
 
-def norm(tensors, ord=2.0, *, factor=None, found_inf=None, flags=None, per_tensor=False):
+def norm(tensors, ord=2.0, *, factor=None, found_inf=None, flags=None, per_tensor=False, _split=SPLIT_DYNAMIC):
     """The total norm of all the tensors' elements, read-only.
 
     Args:
@@ -323,7 +331,7 @@ def norm(tensors, ord=2.0, *, factor=None, found_inf=None, flags=None, per_tenso
     dev = _cuda_device(tensors)
     total, per = _outputs(tensors, per_tensor, dev)
     _C.scale_reduce(op, tensors, mode, factor=factor, found_inf=found_inf, flags=flags, per_tensor=per, out=total,
-                    **_on(op, dev))
+                    **_on(op, dev, _split))
     return (total, per) if per_tensor else total
 
 
@@ -347,7 +355,7 @@ def unscale_norm_(tensors, inv_scale, found_inf, *, ord=2.0, flags=None, per_ten
     return (total, per) if per_tensor else total
 
 
-def mul_(tensors, factor):
+def mul_(tensors, factor, *, _split=SPLIT_DYNAMIC):
     """Multiplies every tensor in place by ``factor`` (float or 1-element float32 tensor).
 
     Products are formed in float32 with the factor rounded to float32, or,
@@ -356,7 +364,7 @@ def mul_(tensors, factor):
     """
     tensors = _as_list(tensors, "tensors", "ampx.ops.mul_")
     op = "ampx.ops.mul_"
-    _C.scale_reduce(op, tensors, _SCALE | _WRITE, factor=factor, **_on(op, _cuda_device(tensors)))
+    _C.scale_reduce(op, tensors, _SCALE | _WRITE, factor=factor, **_on(op, _cuda_device(tensors), _split))
 
 
 _U64 = 1 << 64
@@ -494,12 +502,14 @@ def update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_facto
     return scale
 
 
-def _scaler_pass(tensors, mode_reduce, factor, found_inf, flags, write, refuse_fp16, device):
+def _scaler_pass(tensors, mode_reduce, factor, found_inf, flags, write, refuse_fp16, device, split=SPLIT_DYNAMIC):
     """The scaler's one pass over its gradients (private), on ``device`` (a CUDA index, or -1
     for the CPU): the scaler has already split its gradients by device.
 
     write=True: unscale in place (and reduce if mode_reduce); write=False:
     read-only check (and norm of the products with factor if mode_reduce).
+    split: SPLIT_* (how the CPU threads share the tensors: written values and flags never
+    depend on it; a norm's float64 sum is grouped by thread part, so its last bits may).
     Returns the total as a 0-dim float32 tensor when reducing, else None.
     Raises _C.LayoutError (a ValueError) for sparse tensors before writing.
     """
@@ -511,7 +521,7 @@ def _scaler_pass(tensors, mode_reduce, factor, found_inf, flags, write, refuse_f
     op = "ampx.GradScaler"
     total = _outputs(tensors, False, device)[0] if mode_reduce else None
     _C.scale_reduce(op, tensors, mode, factor=factor, found_inf=found_inf, flags=flags, out=total,
-                    refuse_fp16=refuse_fp16, **_on(op, device))
+                    refuse_fp16=refuse_fp16, **_on(op, device, split))
     return total
 
 

@@ -250,10 +250,12 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         else:
             with torch.no_grad():
                 try:
-                    total = ops._scaler_pass(grads, reduce, inv_scale, found, flags, write, not allow_fp16, index)
+                    total = ops._scaler_pass(grads, reduce, inv_scale, found, flags, write, not allow_fp16, index,
+                                             _split(optimizer))
                 except _C.LayoutError:
                     grads = self._dense_views(params, allow_fp16, bool(reduce))
-                    total = ops._scaler_pass(grads, reduce, inv_scale, found, flags, write, not allow_fp16, index)
+                    total = ops._scaler_pass(grads, reduce, inv_scale, found, flags, write, not allow_fp16, index,
+                                             _split(optimizer))
         if reduce and total is None:
             total = torch.zeros((), dtype=torch.float32, device=dev)
         return params, flags, grads, found, total
@@ -359,11 +361,11 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         if grads and ord_ in _ORD and not error_if_nonfinite and devices is None:
             with torch.no_grad():
                 try:
-                    total = ops.norm(grads, ord_)  # reads only: a refusal leaves nothing to undo
+                    total = ops.norm(grads, ord_, _split=_split(optimizer))  # reads only: nothing to undo
                 except ValueError:  # sparse or wrapper gradients, CUDA without ampx's kernels
                     total = None
                 if total is not None:
-                    ops.mul_(grads, _clip_coef(max_norm, total))
+                    ops.mul_(grads, _clip_coef(max_norm, total), _split=_split(optimizer))
                     self._last_norm = total
                     return total
         total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
@@ -394,7 +396,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         state["clipped"] = True
         if float(coef) < 1.0:
             with torch.no_grad():
-                ops.mul_(self._last_grads, coef)
+                ops.mul_(self._last_grads, coef, _split=_split(optimizer))
         self._last_grads = None
         state["stage"] = OptState.UNSCALED
         return total, coef
@@ -431,7 +433,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                 optimizer._ampx_cast_grads_(factor)  # unscale + clip on the way to the masters
         else:
             with torch.no_grad():
-                ops.mul_(self._last_grads, factor)  # the dense views of the pass just made
+                ops.mul_(self._last_grads, factor, _split=_split(optimizer))  # the pass's dense views
         self._last_grads = None
         state["stage"] = OptState.UNSCALED
         return total, coef
@@ -609,6 +611,18 @@ def resolve_optimizer(optimizer, method, needs="param_groups"):
             f"wrapper whose .optimizer is one (as Accelerate's and Lightning's are), not "
             f"{type(optimizer).__name__}")
     return opt
+
+
+def _split(optimizer):
+    """How the CPU threads share the scaler's passes over this optimizer's gradients: as the
+    kernel that reads them next will (ops.SPLIT_*). A fused optimizer's own kernel (grad_scale
+    route) shares each tensor's cache lines evenly; other optimizers step with torch's
+    elementwise ops; master weights read them in ampx's own cast."""
+    if isinstance(optimizer, MasterWeights):
+        return ops.SPLIT_DYNAMIC
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        return ops.SPLIT_FUSED
+    return ops.SPLIT_ELEMENTWISE
 
 
 _DRIVES_SCALER = weakref.WeakKeyDictionary()  # step function -> whether it takes grad_scaler=

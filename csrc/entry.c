@@ -108,7 +108,7 @@ static int hold_outputs(mstate *st, entry_call *c, PyObject *found_o, PyObject *
 }
 
 /* scale_reduce(op, tensors, mode, *, factor=None, found_inf=None, flags=None, per_tensor=None,
- *              out=None, refuse_fp16=False, factor_name="factor", device=-1, nthreads=1,
+ *              out=None, refuse_fp16=False, factor_name="factor", split=0, device=-1, nthreads=1,
  *              stream=0, alloc=None)
  *
  * The one entry point of unscale_, check_finite, norm, unscale_norm_ and mul_:
@@ -116,7 +116,7 @@ static int hold_outputs(mstate *st, entry_call *c, PyObject *found_o, PyObject *
 PyObject *py_scale_reduce(PyObject *module, PyObject *args, PyObject *kwargs)
 {
     static char *kw[] = {"op",          "tensors",    "mode",        "factor", "found_inf", "flags",
-                         "per_tensor",  "out",        "refuse_fp16", "factor_name", SITE_KEYWORDS, NULL};
+                         "per_tensor",  "out",        "refuse_fp16", "factor_name", "split",     SITE_KEYWORDS, NULL};
     mstate *st = state_of(module);
     entry_call c;
     memset(&c, 0, sizeof c);
@@ -125,15 +125,20 @@ PyObject *py_scale_reduce(PyObject *module, PyObject *args, PyObject *kwargs)
                    *out_o = Py_None;
     int refuse_fp16 = 0;
     const char *factor_name = "factor";
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOi|$OOOOOps" SITE_FORMAT ":scale_reduce", kw, &c.at.op, &seq,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOi|$OOOOOpsi" SITE_FORMAT ":scale_reduce", kw, &c.at.op, &seq,
                                      &c.mode, &factor_o, &found_o, &flags_o, &per_o, &out_o, &refuse_fp16,
-                                     &factor_name, SITE_ARGS(c.at)))
+                                     &factor_name, &c.split, SITE_ARGS(c.at)))
         return NULL;
     if (state_ready(st) < 0)
         return NULL;
     const char *op = c.at.op;
     if (c.mode < 0 || c.mode >= AMPX_NUM_MODES || !has_kernel[c.mode]) {
         PyErr_Format(PyExc_ValueError, "%s: no kernel for mode %d", op, c.mode);
+        return NULL;
+    }
+    if (c.split < 0 || c.split >= AMPX_NUM_SPLITS) {
+        PyErr_Format(PyExc_ValueError, "%s: split must be 0 (dynamic), 1 (as torch's fused optimizers) or 2 (as its "
+                     "elementwise ops), not %d", op, c.split);
         return NULL;
     }
     const int write = c.mode & AMPX_M_WRITE, device = c.at.device;

@@ -52,6 +52,7 @@ typedef struct {
     int mode;                     /* a mode of AMPX_SCALE_MODE_LIST */
     int sequential;               /* one tensor at a time, in list order (tlist_sequential) */
     int release_gil;              /* CPU: the storages are held, the GIL may be released (entry.c) */
+    int split;                    /* CPU: AMPX_SPLIT_* (multi_tensor.h) */
     void *per_tensor, *total;
     tlist L;
     /* cast: S holds the pairs (cast_prepare), D the destinations */
@@ -70,6 +71,9 @@ typedef struct {
     long long growth_interval;
     int hysteresis, consecutive;
 } entry_update;
+
+/* The split the last CPU scale_reduce used (AMPX_SPLIT_*; tests). */
+extern int ampx_last_split;
 
 /* The runners: 0, or -1 with an exception set. */
 int cpu_scale_reduce(mstate *st, entry_call *c);

@@ -15,6 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+int ampx_last_split = AMPX_SPLIT_DYNAMIC;
+
 /* Runs job over ts[0..n) (total elements in all), releasing the GIL when
  * `release` (the call's storages are held: entry.c) and total is worth it;
  * -1 with MemoryError when the launcher cannot get its plan. */
@@ -106,7 +108,7 @@ static int flags_recoverable(const entry_call *c)
 static int recheck_flags(const entry_call *c, Py_ssize_t a, Py_ssize_t b, uint8_t *flags)
 {
     const tlist *L = &c->L;
-    ampx_job job = {0, AMPX_M_CHECK, 1.0, 0, 0u, 0u};
+    ampx_job job = {0, AMPX_M_CHECK, 1.0, 0, 0u, 0u, AMPX_SPLIT_DYNAMIC};
     for (Py_ssize_t i = a; i < b; i++) {
         ampx_partial part = {0.0, 0u};
         const ampx_tensor *t = &L->ts[i];
@@ -140,7 +142,7 @@ static int try_spans(entry_call *c)
     rc = 0;
     if (m * 2 > L->n) /* little to merge: per tensor costs the same and keeps the usual bits */
         goto done;
-    ampx_job job = {0, c->mode, c->factor, 0, 0u, 0u};
+    ampx_job job = {0, c->mode, c->factor, 0, 0u, 0u, AMPX_SPLIT_DYNAMIC};
     if ((rc = run_job(&job, spans, m, L->total, c->release_gil, c->at.nthreads, parts)) < 0)
         goto done;
     uint8_t *flags = (uint8_t *)c->flags;
@@ -167,7 +169,11 @@ int cpu_scale_reduce(mstate *st, entry_call *c)
 {
     tlist *L = &c->L;
     ampx_last_spans = -1;
-    if (!c->sequential) {
+    /* Decided once, here, with the GIL held (multi_tensor.h). Following torch's
+     * split is per tensor: spans would merge what it keeps apart. */
+    int split = c->sequential ? AMPX_SPLIT_DYNAMIC : ampx_split_for(c->split, L->ts, L->n, L->total, c->at.nthreads);
+    ampx_last_split = split;
+    if (!c->sequential && split == AMPX_SPLIT_DYNAMIC) {
         int done = try_spans(c);
         if (done != 0)
             return done < 0 ? -1 : 0;
@@ -175,7 +181,7 @@ int cpu_scale_reduce(mstate *st, entry_call *c)
     ampx_partial *parts = new_parts(L->n);
     if (parts == NULL)
         return -1;
-    ampx_job job = {0, c->mode, c->factor, 0, 0u, 0u};
+    ampx_job job = {0, c->mode, c->factor, 0, 0u, 0u, split};
     int rc;
     if (!c->sequential) {
         rc = run_job(&job, L->ts, L->n, L->total, c->release_gil, c->at.nthreads, parts);
@@ -194,7 +200,7 @@ int cpu_cast(mstate *st, entry_call *c)
     ampx_partial *parts = new_parts(c->S.n);
     if (parts == NULL)
         return -1;
-    ampx_job job = {1, 0, c->factor, c->stochastic, c->seed, c->offset};
+    ampx_job job = {1, 0, c->factor, c->stochastic, c->seed, c->offset, AMPX_SPLIT_DYNAMIC};
     int rc = run_job(&job, c->S.ts, c->S.n, c->S.total, c->release_gil, c->at.nthreads, parts);
     if (rc == 0)
         rc = cast_unstage(st, &c->D);

@@ -118,20 +118,34 @@ static PyObject *py_set_simd(PyObject *module, PyObject *args)
     return prev;
 }
 
+/* Sets a non-negative int64 setting from args (format "L:name"); returns its previous value. */
+static PyObject *swap_count(PyObject *args, const char *format, const char *what, int64_t *setting)
+{
+    long long n;
+    if (!PyArg_ParseTuple(args, format, &n))
+        return NULL;
+    if (n < 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be >= 0", what);
+        return NULL;
+    }
+    long long prev = (long long)*setting;
+    *setting = (int64_t)n;
+    return PyLong_FromLongLong(prev);
+}
+
 /* set_parallel_threshold(n) -> previous n: below n elements in all, a call runs on one thread. */
 static PyObject *py_set_parallel_threshold(PyObject *module, PyObject *args)
 {
     (void)module;
-    long long n;
-    if (!PyArg_ParseTuple(args, "L:set_parallel_threshold", &n))
-        return NULL;
-    if (n < 0) {
-        PyErr_SetString(PyExc_ValueError, "set_parallel_threshold: the threshold must be >= 0");
-        return NULL;
-    }
-    long long prev = (long long)ampx_parallel_min;
-    ampx_parallel_min = (int64_t)n;
-    return PyLong_FromLongLong(prev);
+    return swap_count(args, "L:set_parallel_threshold", "set_parallel_threshold: the threshold", &ampx_parallel_min);
+}
+
+/* set_split_max_bytes(n) -> previous n: calls of more bytes than n share their work dynamically
+ * even when asked to follow torch's split (multi_tensor.h); 0 never follows it. */
+static PyObject *py_set_split_max_bytes(PyObject *module, PyObject *args)
+{
+    (void)module;
+    return swap_count(args, "L:set_split_max_bytes", "set_split_max_bytes: the limit", &ampx_split_max_bytes);
 }
 
 /* _set_coalesce(on) -> previous: whether back-to-back tensors run as one span (tests, benchmarks). */
@@ -144,6 +158,32 @@ static PyObject *py_set_coalesce(PyObject *module, PyObject *args)
     int prev = ampx_coalesce_on;
     ampx_coalesce_on = on;
     return PyBool_FromLong(prev);
+}
+
+/* _last_split() -> how the last CPU scale_reduce shared its work: 0 dynamically, 1 or 2 as torch (tests). */
+static PyObject *py_last_split(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    return PyLong_FromLong((long)ampx_last_split);
+}
+
+/* _torch_part(split, numel, elem_size, nthreads, t) -> (begin, end): thread t's part (tests). */
+static PyObject *py_torch_part(PyObject *module, PyObject *args)
+{
+    (void)module;
+    int split, nthreads, t;
+    long long numel, elem;
+    if (!PyArg_ParseTuple(args, "iLLii:_torch_part", &split, &numel, &elem, &nthreads, &t))
+        return NULL;
+    if ((split != AMPX_SPLIT_LINES && split != AMPX_SPLIT_ELEMENTS) || numel < 0 || (elem != 2 && elem != 4 && elem != 8) ||
+        nthreads < 1 || t < 0 || t >= nthreads) {
+        PyErr_SetString(PyExc_ValueError, "_torch_part: split 1 or 2, numel >= 0, elem_size 2, 4 or 8, 0 <= t < nthreads");
+        return NULL;
+    }
+    int64_t b, e;
+    ampx_torch_part(split, (int64_t)numel, (size_t)elem, nthreads, t, &b, &e);
+    return Py_BuildValue("(LL)", (long long)b, (long long)e);
 }
 
 /* _last_spans() -> the spans the last CPU scale_reduce ran, or -1 if it ran per tensor (tests). */
@@ -183,7 +223,12 @@ static PyMethodDef methods[] = {
     {"simd_levels", py_simd_levels, METH_NOARGS, "SIMD levels this processor supports, best first."},
     {"set_simd", py_set_simd, METH_VARARGS, "Selects a SIMD level; returns the previous one."},
     {"_set_coalesce", py_set_coalesce, METH_VARARGS, "Turns coalescing of back-to-back tensors on or off (tests)."},
+    {"_torch_part", py_torch_part, METH_VARARGS, "Thread t's part of a tensor under a split as torch's (tests)."},
+    {"_last_split", py_last_split, METH_NOARGS, "Split of the last CPU scale_reduce: 0 dynamic, 1/2 as torch (tests)."},
     {"_last_spans", py_last_spans, METH_NOARGS, "Spans of the last CPU scale_reduce, -1 if per tensor (tests)."},
+    {"set_split_max_bytes", py_set_split_max_bytes, METH_VARARGS,
+     "set_split_max_bytes(n) -> previous n: above n bytes (default 16 MiB) a call's threads share its tensors "
+     "dynamically, not as torch's next kernel will (0: never as torch)."},
     {"set_parallel_threshold", py_set_parallel_threshold, METH_VARARGS,
      "Sets the element count below which kernels run single-threaded; returns the previous one."},
     {NULL, NULL, 0, NULL},

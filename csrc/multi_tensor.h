@@ -27,6 +27,7 @@
 extern int64_t ampx_parallel_min; /* settable by tests */
 extern int ampx_coalesce_on;       /* 1: runs of back-to-back tensors become spans (ampx_coalesce) */
 extern int64_t ampx_last_spans;    /* spans of the last coalesced CPU call, -1 if it ran per tensor (tests) */
+extern int64_t ampx_split_max_bytes; /* torch's split only up to this many bytes a call (settable) */
 
 /* One tensor as the kernels see it: contiguous memory of numel elements. */
 typedef struct {
@@ -44,7 +45,43 @@ typedef struct {
     double factor;   /* multiplier (1.0 for none) */
     int stochastic;  /* casts to bfloat16 only */
     uint64_t seed, offset;
+    int split;       /* AMPX_SPLIT_*: how threads share the work, as decided by ampx_split_for */
 } ampx_job;
+
+/* How a job's elements are shared among threads. DYNAMIC: long runs handed
+ * out as threads come free (balances a late or slow thread; best when the
+ * data streams from memory). LINES and ELEMENTS: each thread takes exactly
+ * the part of each tensor that torch's next operation will give the thread
+ * of the same number in its OpenMP team: LINES as its fused optimizers
+ * (every tensor's 64-byte lines shared evenly: at::parallel_for with grain
+ * 0), ELEMENTS as its elementwise ops (grain 32768: tensors of up to 32768
+ * elements stay on thread 0). When the gradients fit in cache, each core
+ * then finds in its own cache the lines that torch's kernel will write
+ * there, instead of the other core holding copies it must give up first
+ * (2-core EPYC, LoRA shapes, fused AdamW: the step after ampx's read pass
+ * took ~0.5 ms longer under DYNAMIC). The parts line up with torch's only
+ * when the ampx call and torch's kernel run on the same calling thread with
+ * the same team size (torch's own thread count), as the scaler's do. */
+#define AMPX_SPLIT_DYNAMIC 0
+#define AMPX_SPLIT_LINES 1
+#define AMPX_SPLIT_ELEMENTS 2
+#define AMPX_NUM_SPLITS 3
+#define AMPX_TORCH_GRAIN ((int64_t)32768) /* at::internal::GRAIN_SIZE */
+#define AMPX_SPLIT_MAX_BYTES_DEFAULT ((int64_t)16 << 20)
+/* Most (tensor, thread) pairs a followed split plans (bounds its plan's cost). */
+#define AMPX_SPLIT_MAX_PAIRS ((int64_t)1 << 16)
+
+/* The split a job asking for `split` over ts[0..n) (total elements) on
+ * nthreads threads really uses: `split` only on torch's OpenMP team with
+ * nthreads > 1 equal to the calling thread's team size, at most
+ * AMPX_MAX_THREADS, total >= ampx_parallel_min, at most
+ * ampx_split_max_bytes and AMPX_SPLIT_MAX_PAIRS; else DYNAMIC. Call with
+ * the GIL held (reads settings Python may change). */
+int ampx_split_for(int split, const ampx_tensor *ts, int64_t n, int64_t total, int nthreads);
+
+/* Thread t's part of a tensor of numel elements of elem bytes under split
+ * LINES or ELEMENTS with a team of T, as elements [*b, *e) (exposed for tests). */
+void ampx_torch_part(int split, int64_t numel, size_t elem, int T, int t, int64_t *b, int64_t *e);
 
 /* Runs `job` over ts[0..n) with up to nthreads threads and writes tensor
  * i's combined result into parts[i]. Returns 0, or -1 if memory for the

@@ -114,6 +114,8 @@ typedef void (*gomp_parallel_fn)(void (*fn)(void *), void *data, unsigned num_th
 
 static pthread_once_t omp_once = PTHREAD_ONCE_INIT;
 static gomp_parallel_fn omp_parallel;      /* NULL: no runtime loaded, use the pool */
+typedef int (*omp_thread_num_fn)(void);
+static omp_thread_num_fn omp_thread_num, omp_num_threads, omp_max_threads;
 static char omp_path[512];
 
 #ifdef AMPX_HAVE_PHDR
@@ -183,6 +185,9 @@ static void omp_init(void)
     /* The handle is kept: it only pins a library that is loaded already. */
     omp_parallel = (gomp_parallel_fn)dlsym(h, "GOMP_parallel");
     omp_set_threads = (omp_set_threads_fn)dlsym(h, "omp_set_num_threads");
+    omp_thread_num = (omp_thread_num_fn)dlsym(h, "omp_get_thread_num");
+    omp_num_threads = (omp_thread_num_fn)dlsym(h, "omp_get_num_threads");
+    omp_max_threads = (omp_thread_num_fn)dlsym(h, "omp_get_max_threads");
 }
 
 typedef struct {
@@ -201,6 +206,41 @@ static void omp_body(void *data)
             return;
         j->fn(j->ctx, t);
     }
+}
+
+typedef struct {
+    ampx_task_fn fn;
+    void *ctx;
+    int64_t ntasks;
+} omp_static_job;
+
+/* Thread t of the team runs tasks t, t + size, ...: all of them run even
+ * when the runtime gives fewer threads than asked (a nested region, a
+ * thread limit). */
+static void omp_static_body(void *data)
+{
+    omp_static_job *j = (omp_static_job *)data;
+    int64_t size = omp_num_threads();
+    for (int64_t t = omp_thread_num(); t < j->ntasks; t += size > 0 ? size : 1)
+        j->fn(j->ctx, t);
+}
+
+int ampx_team_size(void)
+{
+    pthread_once(&omp_once, omp_init);
+    if (omp_parallel == NULL || omp_thread_num == NULL || omp_num_threads == NULL || omp_max_threads == NULL)
+        return 0;
+    return omp_max_threads();
+}
+
+int ampx_parallel_static(int nthreads, ampx_task_fn fn, void *ctx)
+{
+    if (ampx_team_size() == 0 || nthreads < 2 || nthreads > AMPX_MAX_THREADS)
+        return -1;
+    omp_static_job j = {fn, ctx, nthreads};
+    atomic_store(&omp_team_used, 1);
+    omp_parallel(omp_static_body, &j, (unsigned)nthreads, 0u);
+    return 0;
 }
 
 const char *ampx_thread_backend(void)

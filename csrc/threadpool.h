@@ -27,6 +27,17 @@ typedef void (*ampx_task_fn)(void *ctx, int64_t task);
  * use runs its tasks on the calling thread. Never calls into Python. */
 void ampx_parallel_for(int nthreads, int64_t ntasks, ampx_task_fn fn, void *ctx);
 
+/* Runs fn(ctx, t) for t in [0, nthreads) on torch's OpenMP team, task t on
+ * the team's thread t (numbered as torch's at::parallel_for numbers them;
+ * a smaller team than asked runs the rest round-robin). -1, nothing run,
+ * when the work does not run on torch's team (ampx_team_size() == 0). */
+int ampx_parallel_static(int nthreads, ampx_task_fn fn, void *ctx);
+
+/* The team size torch's parallel ops would use on the calling thread
+ * (omp_get_max_threads: torch.set_num_threads sets it), or 0 when parallel
+ * work does not run on torch's OpenMP team (ampx's pool, a forked child). */
+int ampx_team_size(void);
+
 /* Where tasks run: the path of the OpenMP runtime in use, or "ampx pool". */
 const char *ampx_thread_backend(void);
 

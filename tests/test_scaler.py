@@ -340,7 +340,7 @@ def test_each_device_gets_one_kernel_call(monkeypatch):
     real = ops._scaler_pass
 
     def spy(tensors, *args):
-        calls.append((len(tensors), args[-1]))
+        calls.append((len(tensors), args[6]))  # (..., refuse_fp16, device, split)
         return real(tensors, *args)
 
     monkeypatch.setattr(ops, "_scaler_pass", spy)
