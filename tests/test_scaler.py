@@ -146,6 +146,44 @@ def test_clip_is_folded_into_a_fused_optimizers_grad_scale():
     assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
 
 
+@pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.SGD])
+def test_cpu_fused_step_is_handed_found_inf_only_when_set(opt_cls):
+    """On the CPU a clear flag is not handed to the fused step (it would only add and subtract 0
+    from every step counter); a set one is, and the step is skipped as torch's would be. The
+    states match torch's GradScaler bit for bit either way."""
+    runs = {}
+    for kind in ("ampx", "torch"):
+        model = _grads_model()
+        opt = opt_cls(model.parameters(), lr=0.1, fused=True)
+        scaler = (ampx.GradScaler if kind == "ampx" else torch.amp.GradScaler)("cpu", init_scale=2.0**8)
+        seen = []
+        real_step = opt.step
+
+        def spy_step(*a, _opt=opt, _seen=seen, _real=real_step, **k):
+            f = getattr(_opt, "found_inf", None)
+            _seen.append(None if f is None else float(f))
+            return _real(*a, **k)
+
+        opt.step = spy_step
+        for it in range(3):
+            scaler.scale(torch.ones(()))
+            for i, p in enumerate(model.parameters()):
+                p.grad = torch.full_like(p, 0.01 * (i + 1) * 2.0**8)
+                if it == 1 and i == 2:
+                    p.grad.view(-1)[0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+        runs[kind] = (seen, [p.detach().clone() for p in model.parameters()],
+                      {k: v.clone() if isinstance(v, torch.Tensor) else v
+                       for st in opt.state.values() for k, v in st.items()})
+    assert runs["ampx"][0] == [None, 1.0, None]
+    assert runs["torch"][0] == [0.0, 1.0, 0.0]
+    for a, b in zip(runs["ampx"][1], runs["torch"][1]):
+        assert torch.equal(a, b)
+    for k in runs["ampx"][2]:
+        assert torch.equal(torch.as_tensor(runs["ampx"][2][k]), torch.as_tensor(runs["torch"][2][k])), k
+
+
 def test_fused_step_against_separate_unscale_clip_step():
     models = [_grads_model(), _grads_model()]
     opts = [torch.optim.AdamW(m.parameters(), lr=0.01, fused=True) for m in models]
