@@ -7,9 +7,10 @@ For each parameter set and optimizer it times, on the same gradients, interleave
   ceiling  an in-place x.mul_(1.0) over float32 of the gradients' bytes (memory bandwidth, read+write)
 and reports what each scaler path adds over the bare step, their ratio (ampx's added time / torch's)
 per repetition (median and spread), and the bandwidth of ampx's added passes against the ceiling:
-ampx moves the gradients once (a fused optimizer: one read for the inf check and norm; the unscale
-and clip ride in the optimizer's own kernel) or three times (foreach with clipping active: a read
-for the norm, then a read and a write to scale). Forward and backward are excluded; the gradients
+ampx moves the gradients twice (a fused optimizer: one read for the inf check and norm, and the
+write of the unscaled gradients that torch's fused CPU kernel adds whenever it is handed a
+grad_scale; the unscale and clip ride in that kernel) or three times (foreach with clipping active:
+a read for the norm, then a read and a write to scale). Forward and backward are excluded; the gradients
 are restored from a saved copy before every repetition, outside the timing.
 
 Parameter sets (--shapes, comma-separated; benchmarks/model_shapes.py builds them from configs):
@@ -23,8 +24,14 @@ norm ~1e3), each with separately allocated gradients and with an ``ampx.GradBuff
 gradient a view of one flat buffer, laid out in the optimizer's order). Memory: about five times
 the parameters' float32 bytes (7 GB for gpt2-medium).
 
+--cold writes 64 MiB of other memory before each run's set-up, as forward and backward do between
+two steps in training: without it a small set's optimizer state stays partly in cache from one
+run to the next (LoRA: 56 MB of parameters, gradients and moments against a 32 MiB L3), which
+flatters the bare step. --compare-split also times ampx with its threads sharing the gradients
+dynamically instead of as the optimizer's kernel will (docs/DESIGN.md, "Work decomposition").
+
     python benchmarks/bench_step.py [--shapes SETS] [--quick] [--repeats N] [--inner N] [--threads N]
-                                    [--no-buffer] [--json PATH]
+                                    [--no-buffer] [--cold] [--compare-split] [--json PATH]
 """
 import argparse
 import json
@@ -79,7 +86,10 @@ def make_params(shapes, seed=0):
     return params, saved, views
 
 
-def bench_case(shapes, opt_kw, repeats, max_norm=1.0, buffer=False, inner=None):
+COLD_BYTES = 64 << 20  # --cold: written before each run's set-up: twice this machine class's 32 MiB L3
+
+
+def bench_case(shapes, opt_kw, repeats, max_norm=1.0, buffer=False, inner=None, compare_split=False, cold=False):
     """Times bare / torch / ampx / ceiling interleaved; returns the medians and per-repeat ratios."""
     params, saved, saved_views = make_params(shapes)
     opt = torch.optim.AdamW(params, lr=1e-4, **opt_kw)
@@ -98,10 +108,11 @@ def bench_case(shapes, opt_kw, repeats, max_norm=1.0, buffer=False, inner=None):
         s.scale(torch.ones(()))
 
     def restore():
-        if buf is not None:  # the buffer is laid out as `saved`: one copy
-            next(iter(buf.buffers.values())).copy_(saved)
-        else:
-            torch._foreach_copy_(grads, saved_views)
+        # Tensor by tensor, into the buffer's views too (not one copy of the whole buffer): as
+        # autograd's AccumulateGrad writes each gradient, so that each core holds the lines it
+        # would hold after a backward (small tensors on the calling thread, large ones in
+        # torch's elementwise split).
+        torch._foreach_copy_(grads, saved_views)
 
     def run_bare():
         opt.step()
@@ -117,6 +128,13 @@ def bench_case(shapes, opt_kw, repeats, max_norm=1.0, buffer=False, inner=None):
         a_scaler.step(opt)
         a_scaler.update()
 
+    def run_ampx_dynamic():  # the same, its threads sharing the gradients dynamically (not as torch's kernel)
+        prev = ampx._C.set_split_max_bytes(0)
+        try:
+            run_ampx()
+        finally:
+            ampx._C.set_split_max_bytes(prev)
+
     def run_ceiling():
         saved.mul_(1.0)  # the gradients' bytes, read and written (values unchanged)
 
@@ -124,6 +142,20 @@ def bench_case(shapes, opt_kw, repeats, max_norm=1.0, buffer=False, inner=None):
     # that it starts as the others do: right after its bytes were last written.
     runs = {"bare": (restore, run_bare), "torch": (restore, run_torch), "ampx": (restore, run_ampx),
             "ceiling": (run_ceiling, run_ceiling)}
+    if cold:
+        # As in training, where forward and backward run between two steps: the optimizer's
+        # state and parameters start out of cache, the gradients (just written) in it.
+        other = torch.zeros(COLD_BYTES // 4)
+
+        def flushed(setup):
+            def run():
+                other.add_(1.0)
+                setup()
+            return run
+
+        runs = {k: (flushed(s), f) for k, (s, f) in runs.items()}
+    if compare_split:
+        runs["ampx-dynamic"] = (runs["ampx"][0], run_ampx_dynamic)
     times = {k: [] for k in runs}
     for setup, fn in runs.values():  # warm-up (allocates optimizer state)
         setup()
@@ -139,7 +171,7 @@ def bench_case(shapes, opt_kw, repeats, max_norm=1.0, buffer=False, inner=None):
         rep = {k: [] for k in runs}
         for j in range(inner):
             names = list(runs)
-            names = names[j % 4:] + names[:j % 4]  # rotated: no contender always follows the same one
+            names = names[j % len(names):] + names[:j % len(names)]  # rotated: no contender always follows the same one
             for k in names:
                 setup, fn = runs[k]
                 setup()
@@ -152,8 +184,12 @@ def bench_case(shapes, opt_kw, repeats, max_norm=1.0, buffer=False, inner=None):
         buf.check()  # the scalers and the optimizer kept every gradient in the buffer
     gbytes = saved.numel() * saved.element_size()
     del params, saved, saved_views, opt, grads, buf
-    out = summarize(times, gbytes, 1 if opt_kw.get("fused") else 3)
+    out = summarize(times, gbytes, 2 if opt_kw.get("fused") else 3)
     out["inner"] = inner
+    if compare_split:
+        dyn = [(d - b) / (t - b) if t > b else float("nan")
+               for b, t, d in zip(times["bare"], times["torch"], times["ampx-dynamic"])]
+        out["dynamic_split"] = _spread(dyn)
     return out
 
 
@@ -223,6 +259,12 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, metavar="N",
                     help="torch.set_num_threads(N) (ampx follows it); 1 sidesteps a busy machine's stalls at "
                          "thread barriers")
+    ap.add_argument("--cold", action="store_true",
+                    help="write 64 MiB of other memory before each run's set-up, as forward and backward would "
+                         "between two steps (optimizer state and parameters start out of cache)")
+    ap.add_argument("--compare-split", action="store_true",
+                    help="also time ampx with its threads sharing the gradients dynamically rather than as the "
+                         "optimizer's kernel will (ampx._C.set_split_max_bytes(0)); printed as 'dynamic split'")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     if args.threads is not None:
@@ -259,7 +301,8 @@ def main(argv=None):
         print("-" * len(header))
         for name, shapes, kw, max_norm, target, buffer, _ in cases:
             snap = cpu_snapshot()
-            r = bench_case(shapes, kw, repeats, max_norm, buffer, 1 if key == "synthetic" else args.inner)
+            r = bench_case(shapes, kw, repeats, max_norm, buffer, 1 if key == "synthetic" else args.inner,
+                           args.compare_split, args.cold)
             noise = interference(snap, cpu_snapshot())
             r.update(case=name, set=key, target=target, buffer=buffer, interference=noise)
             r["pass"] = None if target is None else bool(r["ratio_median"] <= target)
@@ -272,12 +315,17 @@ def main(argv=None):
                   + (f"  [other load {noise['other_cores_avg']:.1f} cores]"
                      if noise and noise["other_cores_avg"] > 0.1 else ""),
                   flush=True)
+            if "dynamic_split" in r:
+                d = r["dynamic_split"]
+                print(f"{'  (dynamic split)':<44} {'':>8} {'':>8} {'':>8} {d['ratio_median']:5.2f} "
+                      f"{'[' + format(d['ratio_min'], '.2f') + '-' + format(d['ratio_max'], '.2f') + ']':>11}", flush=True)
     print()
     print("torch + / ampx +: ms each scaler path adds over the bare optimizer step (medians).")
     print("ratio: (ampx - bare) / (torch - bare) per repetition, median [min-max]: the share of torch's overhead "
           "ampx still pays.")
-    print(f"GB/s: bytes ampx's added passes move (fused: the gradients read once; foreach + clip: read, then read "
-          f"and written) / ampx's added time; of ceil: that / the x.mul_(1.0) bandwidth over the same bytes in the "
+    print(f"GB/s: bytes ampx's added passes move (fused: the gradients read once by ampx and written once more by "
+          f"the optimizer's kernel, which stores them unscaled when handed a grad_scale; foreach + clip: read, then "
+          f"read and written) / ampx's added time; of ceil: that / the x.mul_(1.0) bandwidth over the same bytes in the "
           f"same loop (target >= {CEILING_TARGET}).")
     print("[other load N cores]: CPU time other processes took during that case (from /proc/stat): "
           "its figures are disturbed.")
