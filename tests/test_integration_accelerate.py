@@ -63,14 +63,18 @@ def _loss(out, y):
 
 
 def _train_accelerate(precision, kind, *, accum=1, steps=STEPS, inf_steps=(INF_STEP,), clip=0.5,
-                      scaler_kwargs=None, stop=None, save_to=None, resume_from=None):
+                      scaler_kwargs=None, stop=None, save_to=None, resume_from=None, grad_buffer=False,
+                      optimizer_first=False):
     """The loop written against Accelerate; returns (model, accelerator, per-step records)."""
     acc = patch(Accelerator(cpu=True, mixed_precision=precision, gradient_accumulation_steps=accum),
-                **(scaler_kwargs or {"init_scale": 2.0**10, "growth_interval": 3}))
+                grad_buffer=grad_buffer, **(scaler_kwargs or {"init_scale": 2.0**10, "growth_interval": 3}))
     model = _model()
     opt = adamw(model.parameters(), kind)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
-    model, opt, sched = acc.prepare(model, opt, sched)
+    if optimizer_first:
+        opt, model, sched = acc.prepare(opt, model, sched)
+    else:
+        model, opt, sched = acc.prepare(model, opt, sched)
     InfAt(dict(model.named_parameters())[NAME], inf_steps, accum)
     start = 0
     if resume_from is not None:
@@ -126,6 +130,38 @@ def test_skip_clip_and_parity(precision, kind, fresh_accelerate):
     ref, ref_scaler = _train_direct(precision, kind)
     assert acc.scaler.get_scale() == ref_scaler.get_scale()
     assert_same_params(model, ref)
+
+
+@pytest.mark.parametrize("optimizer_first", [False, True])
+@pytest.mark.parametrize("kind", ["plain", "foreach", "fused"])
+def test_grad_buffer_trains_bit_identically(kind, optimizer_first, fresh_accelerate):
+    """patch(grad_buffer=True): the prepared optimizer gets a GradBuffer (whatever order prepare()
+    got its arguments in), every gradient is a view of it, and the run (with its skipped step and
+    clip) is bit for bit the one without it."""
+    model, acc, records = _train_accelerate("fp16", kind, accum=2, grad_buffer=True, optimizer_first=optimizer_first)
+    opt = acc._optimizers[0]
+    buf = opt.ampx_grad_buffer
+    assert isinstance(buf, ampx.GradBuffer)
+    x, y = _batch(99)
+    acc.backward(_loss(model(x), y))  # the last step zeroed them: refill, then look
+    buf.check()
+    flat = next(iter(buf.buffers.values()))
+    for p in model.parameters():
+        assert p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    assert_skipped_only(records, INF_STEP, ("skipped", "acc_skipped"))
+    plain_model, plain_acc, plain_records = _train_accelerate("fp16", kind, accum=2)
+    assert records == plain_records
+    assert acc.scaler.get_scale() == plain_acc.scaler.get_scale()
+    for (name, p), q in zip(model.named_parameters(), plain_model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_grad_buffer_is_not_built_without_mixed_precision(fresh_accelerate, caplog):
+    with caplog.at_level(logging.INFO, logger="ampx"):
+        acc = patch(Accelerator(cpu=True), grad_buffer=True)
+    model, opt = acc.prepare(*_model_and("plain"))
+    assert getattr(opt, "ampx_grad_buffer", None) is None
+    assert "grad_buffer too" in caplog.text
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])

@@ -265,6 +265,44 @@ def test_clip_goes_through_ampx_and_matches_the_direct_loop(kind, clip_calls):
     assert model.trainer.lr_scheduler_configs[0].scheduler.last_epoch == sched.last_epoch == 15
 
 
+class GradsSeen(L.Callback):
+    """Whether every gradient was a view of the fit's GradBuffer when the optimizer stepped."""
+
+    def __init__(self):
+        self.views = []
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        bufs = list(trainer.precision_plugin.grad_buffers.values())
+        flat = [b for buf in bufs for b in buf.buffers.values()]
+        self.views.append(bool(bufs) and all(
+            any(p.grad.untyped_storage().data_ptr() == f.untyped_storage().data_ptr() for f in flat)
+            for p in module.parameters()))
+
+
+@pytest.mark.parametrize("kind", ["plain", "foreach", "fused"])
+def test_grad_buffer_trains_bit_identically(kind):
+    """AmpxPrecision(grad_buffer=True): the gradients are views of a GradBuffer at every step, the
+    run (a skipped step, clipping, accumulation) is bit for bit the one without, and the hooks go
+    when the fit ends."""
+    data = batches(12)
+    runs = {}
+    for grad_buffer in (True, False):
+        model = Net(kind, inject_at={3})
+        plugin = AmpxPrecision("16-mixed", init_scale=2.0**12, grad_buffer=grad_buffer)
+        seen = GradsSeen()
+        fit(model, plugin, data, gradient_clip_val=0.05, accumulate_grad_batches=2, callbacks=[seen])
+        runs[grad_buffer] = (model, plugin, seen)
+    model, plugin, seen = runs[True]
+    assert seen.views == [True] * 6
+    assert plugin.grad_buffers == {}  # closed at teardown
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    plain, plain_plugin, plain_seen = runs[False]
+    assert plain_seen.views == [False] * 6
+    assert model.skipped == plain.skipped and plugin.scaler.get_scale() == plain_plugin.scaler.get_scale()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
+
+
 def test_bf16_without_a_scaler_still_clips_through_ampx(clip_calls):
     data = batches(6)
     model = Net("fused")

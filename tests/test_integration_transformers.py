@@ -66,7 +66,7 @@ class Record(TrainerCallback):
 
 
 def _trainer(tmp_path, precision, kind=None, *, accum=1, steps=STEPS, inf_steps=(INF_STEP,), scaler=SCALER,
-             model=None, **args):
+             model=None, grad_buffer=False, **args):
     model = model or _model()
     args = TrainingArguments(str(tmp_path), **{**dict(
         use_cpu=True, report_to=[], disable_tqdm=True, max_steps=steps, per_device_train_batch_size=BATCH,
@@ -75,7 +75,7 @@ def _trainer(tmp_path, precision, kind=None, *, accum=1, steps=STEPS, inf_steps=
     record = Record(inf_steps, accum)
     optimizers = (adamw(model.parameters(), kind), None) if kind else (None, None)
     trainer = Trainer(model=model, args=args, train_dataset=_data(BATCH * accum * 8), callbacks=[record],
-                      optimizers=optimizers, ampx_scaler=scaler)
+                      optimizers=optimizers, ampx_scaler=scaler, ampx_grad_buffer=grad_buffer)
     trainer.model_accepts_loss_kwargs = False  # a per-batch mean loss, which the direct loop repeats
     record.trainer = trainer
     return trainer, record
@@ -143,6 +143,27 @@ def test_resume_mid_run(precision, tmp_path, fresh_accelerate):
     assert scaler.get_scale() == full.accelerator.scaler.get_scale()
     for p, q in zip(resumed.model.parameters(), full.model.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("kind", [None, "foreach"])  # None: the Trainer's own (fused AdamW)
+def test_grad_buffer_trains_bit_identically(kind, tmp_path, fresh_accelerate):
+    """ampx_grad_buffer=True: the Trainer's optimizer gets a GradBuffer when the accelerator
+    prepares it, the gradients are views of it, and the run is bit for bit the one without."""
+    trainer, record = _trainer(tmp_path / "buf", "fp16", kind, accum=2, grad_buffer=True)
+    trainer.train()
+    buf = trainer.optimizer.ampx_grad_buffer
+    assert isinstance(buf, ampx.GradBuffer)
+    seen = {id(p) for p in buf._params}
+    assert seen == {id(p) for p in trainer.model.parameters() if p.requires_grad}
+    trainer.model(**{k: torch.stack([r[k] for r in _data(2)]) for k in ("input_ids", "labels")}).loss.backward()
+    buf.check()
+    assert_skipped_only(record.rows, INF_STEP)
+    reset_accelerate()
+    plain, plain_record = _trainer(tmp_path / "plain", "fp16", kind, accum=2)
+    plain.train()
+    assert record.rows == plain_record.rows
+    for (name, p), q in zip(trainer.model.named_parameters(), plain.model.parameters()):
+        assert torch.equal(p, q), name
 
 
 def test_hyperparameter_trial_accelerator_is_patched(tmp_path, fresh_accelerate, monkeypatch):

@@ -19,6 +19,9 @@ library), before ``prepare``:
   on skipped steps.
 - ``mixed_precision="fp16"`` on the CPU, which Accelerate runs in float32 without a word, runs
   fp16 autocast with the scaler (logged).
+- ``grad_buffer=True``: every optimizer the accelerator prepares gets an ``ampx.GradBuffer``
+  (``optimizer.ampx_grad_buffer``): its gradients become views of one flat buffer per dtype and
+  device (README, "Contiguous gradients"). Not with DDP's ``gradient_as_bucket_view=True``.
 - FSDP, DeepSpeed and Megatron-LM set-ups are left on Accelerate's own path (logged).
 
 Why a function that patches an instance, not an ``Accelerator`` subclass: see docs/DESIGN.md
@@ -29,6 +32,7 @@ import os
 from types import MethodType
 
 from . import require
+from ..grad_buffer import GradBuffer, _refuse_bucket_views
 from ..scaler import GradScaler, resolve_optimizer
 
 require("accelerate", "accelerate")
@@ -59,7 +63,7 @@ class AmpxAcceleratedOptimizer(AcceleratedOptimizer):
         return bool(self._is_overflow)
 
 
-def patch(accelerator, **scaler_kwargs):
+def patch(accelerator, *, grad_buffer=False, **scaler_kwargs):
     """Puts ampx's GradScaler, fused clip and truthful skipped steps into ``accelerator``.
 
     Call it right after creating the accelerator, before ``prepare`` (optimizers and models
@@ -69,17 +73,23 @@ def patch(accelerator, **scaler_kwargs):
 
     Args:
         accelerator: an ``accelerate.Accelerator``.
+        grad_buffer: give each optimizer it prepares (and those prepared already) an
+            ``ampx.GradBuffer`` over its parameters, kept as ``optimizer.ampx_grad_buffer``.
+            Raises ValueError if a prepared model is DDP with ``gradient_as_bucket_view=True``
+            (its buckets are contiguous already).
         **scaler_kwargs: ``ampx.GradScaler`` settings; they override the accelerator's
             ``GradScalerKwargs``. ``named_parameters`` is filled in from each prepared model.
     """
     kind = accelerator.distributed_type
     if kind.name in _OWN_PATH or getattr(accelerator, "is_fsdp2", False):
         logger.warning("ampx: Accelerate runs %s with its own mixed precision; ampx leaves it there "
-                       "(no ampx scaler installed)", kind.name)
+                       "(no ampx scaler installed%s)", kind.name,
+                       ", and no GradBuffer: it owns its gradients" if grad_buffer else "")
         return accelerator
     precision = accelerator.mixed_precision
     if precision not in ("fp16", "bf16"):
-        logger.info("ampx: mixed_precision=%r needs no loss scaler; the accelerator is left as it is", precision)
+        logger.info("ampx: mixed_precision=%r needs no loss scaler; the accelerator is left as it is%s", precision,
+                    " (grad_buffer too: build ampx.GradBuffer(optimizer) yourself)" if grad_buffer else "")
         return accelerator
     device = accelerator.device.type
     scaler = _make_scaler(accelerator, precision, device, scaler_kwargs)  # a bad setting raises before any change
@@ -91,12 +101,13 @@ def patch(accelerator, **scaler_kwargs):
             logger.warning("ampx: %d model(s) were prepared before patch(): they run without fp16 autocast; "
                            "call patch() before prepare()", len(accelerator._models))
     accelerator.scaler = scaler
+    accelerator._ampx_grad_buffer = bool(grad_buffer)
     for name, method in _METHODS.items():
         setattr(accelerator, name, MethodType(method, accelerator))
     for model in accelerator._models:
         _watch(accelerator, model)
     for opt in accelerator._optimizers:
-        _adopt(opt, accelerator.scaler)
+        _adopt(opt, accelerator)
     return accelerator
 
 
@@ -111,16 +122,28 @@ def _make_scaler(accelerator, precision, device, scaler_kwargs):
     return GradScaler(device, **kwargs)
 
 
-def _adopt(opt, scaler):
-    """An optimizer wrapper prepared by this accelerator steps through ``scaler`` and reports its
-    skipped steps. (Accelerate's wrapper only routes through a scaler it was given when built.)"""
+def _adopt(opt, accelerator):
+    """An optimizer wrapper prepared by this accelerator steps through its scaler and reports its
+    skipped steps (Accelerate's wrapper only routes through a scaler it was given when built),
+    and gets its GradBuffer when the patch asked for them."""
     if type(opt) is AcceleratedOptimizer:
         opt.__class__ = AmpxAcceleratedOptimizer
     if opt.scaler is None:
         opt._accelerate_step_called = False
         opt._optimizer_original_step_method = opt.optimizer.step
         opt._optimizer_patched_step_method = patch_optimizer_step(opt, opt.optimizer.step)
-    opt.scaler = scaler
+    opt.scaler = accelerator.scaler
+    if not getattr(accelerator, "_ampx_in_prepare", False):
+        _give_buffer(opt, accelerator)
+
+
+def _give_buffer(opt, accelerator):
+    """The optimizer's GradBuffer, when the patch asked for them; built once the models it steps
+    are prepared (on their device, wrapped), so after ``prepare`` returns."""
+    if getattr(accelerator, "_ampx_grad_buffer", False) and getattr(opt, "ampx_grad_buffer", None) is None:
+        for model in accelerator._models:  # DDP's bucket views would fight the buffer's views
+            _refuse_bucket_views(model)
+        opt.ampx_grad_buffer = GradBuffer(resolve_optimizer(opt, "GradBuffer"))
 
 
 def _watch(accelerator, model):
@@ -129,6 +152,20 @@ def _watch(accelerator, model):
 
 
 # ---- the accelerator's methods, as patch() installs them on the instance -----------------------
+
+def _prepare(self, *args, **kwargs):
+    """Accelerate's ``prepare``; the GradBuffers (``grad_buffer=True``) are built at its end,
+    whatever order the model and the optimizer came in."""
+    self._ampx_in_prepare = True
+    try:
+        result = type(self).prepare(self, *args, **kwargs)
+    finally:
+        self._ampx_in_prepare = False
+    for opt in self._optimizers:
+        if isinstance(opt, AcceleratedOptimizer):
+            _give_buffer(opt, self)
+    return result
+
 
 def _prepare_model(self, model, *args, **kwargs):
     model = type(self).prepare_model(self, model, *args, **kwargs)
@@ -139,7 +176,7 @@ def _prepare_model(self, model, *args, **kwargs):
 def _prepare_optimizer(self, optimizer, *args, **kwargs):
     opt = type(self).prepare_optimizer(self, optimizer, *args, **kwargs)
     if isinstance(opt, AcceleratedOptimizer):
-        _adopt(opt, self.scaler)
+        _adopt(opt, self)
     return opt
 
 
@@ -190,7 +227,7 @@ def _load_state(self, input_dir=None, *args, **kwargs):
     return type(self).load_state(self, input_dir, *args, **kwargs)
 
 
-_METHODS = {"prepare_model": _prepare_model, "prepare_optimizer": _prepare_optimizer,
+_METHODS = {"prepare": _prepare, "prepare_model": _prepare_model, "prepare_optimizer": _prepare_optimizer,
             "unscale_gradients": _unscale_gradients, "clip_grad_norm_": _clip_grad_norm_,
             "load_state": _load_state}
 

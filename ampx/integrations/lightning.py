@@ -11,7 +11,8 @@
 - ampx's settings travel in checkpoints; a checkpoint of the stock plugin loads too;
 - ``16-mixed`` on the CPU is real float16 autocast with loss scaling (the stock path switches to
   bf16); ``bf16-mixed`` gets a static ampx scaler at 1.0, so overflowing steps are still skipped
-  and reported (``enabled=False`` turns that off).
+  and reported (``enabled=False`` turns that off);
+- ``grad_buffer=True`` gives each optimizer an ``ampx.GradBuffer`` (contiguous gradients) for the fit.
 
 Which Lightning entry points are overridden, and why, is in docs/DESIGN.md ("Lightning").
 Lightning (the ``lightning`` package, 2.4 or later) is imported here, never by ``import ampx``.
@@ -32,6 +33,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
 
+from ..grad_buffer import GradBuffer, _refuse_bucket_views  # noqa: E402
 from ..scaler import GradScaler  # noqa: E402
 
 __all__ = ["AmpxPrecision"]
@@ -57,6 +59,10 @@ class AmpxPrecision(MixedPrecision):
         scaler: an ``ampx.GradScaler`` to use as it is (then no ``scaler_kwargs``).
         log_stats: log ``ampx/loss_scale`` and ``ampx/skipped_steps`` through the LightningModule
             after every optimizer step (reads the scale on the host: a sync on CUDA).
+        grad_buffer: give each of the fit's optimizers an ``ampx.GradBuffer`` when Lightning
+            connects the plugin (the model on its device): every gradient a view of one flat
+            buffer per dtype and device until the fit ends (README, "Contiguous gradients").
+            Not with DDP's ``gradient_as_bucket_view=True``.
         **scaler_kwargs: ``ampx.GradScaler`` keywords (``hysteresis=2``, ``init_scale``,
             ``growth_interval``, ``min_scale``, ``on_overflow`` ...).
 
@@ -65,7 +71,8 @@ class AmpxPrecision(MixedPrecision):
         TypeError: ``scaler`` is not an ``ampx.GradScaler``, or comes with ``scaler_kwargs``.
     """
 
-    def __init__(self, precision="16-mixed", device=None, scaler=None, *, log_stats=False, **scaler_kwargs):
+    def __init__(self, precision="16-mixed", device=None, scaler=None, *, log_stats=False, grad_buffer=False,
+                 **scaler_kwargs):
         if precision not in PRECISIONS:
             raise ValueError(f"AmpxPrecision: precision must be one of {PRECISIONS}, not {precision!r}")
         if scaler is not None and not isinstance(scaler, GradScaler):
@@ -88,6 +95,8 @@ class AmpxPrecision(MixedPrecision):
         self._watched = None  # id of the LightningModule whose parameter names the scaler has
         self._held = []  # schedulers this plugin holds on skipped steps
         self.log_stats = log_stats
+        self.grad_buffer = bool(grad_buffer)
+        self.grad_buffers = {}  # id(optimizer) -> its GradBuffer, for the current fit
 
     # ---- set-up (Lightning calls connect once the model is on its device) --------------------
 
@@ -102,7 +111,17 @@ class AmpxPrecision(MixedPrecision):
         for config in lr_scheduler_configs:
             if config.interval == "step" and _hold_scheduler(config.scheduler, self):
                 self._held.append(config.scheduler)
+        if self.grad_buffer:
+            self._give_buffers(model, optimizers)
         return super().connect(model, optimizers, lr_scheduler_configs)
+
+    def _give_buffers(self, model, optimizers):
+        if isinstance(model, torch.nn.Module):
+            _refuse_bucket_views(model)  # DDP's bucket views would fight the buffer's views
+        for opt in optimizers:
+            opt = _unwrap(opt)
+            if id(opt) not in self.grad_buffers:
+                self.grad_buffers[id(opt)] = GradBuffer(opt)
 
     def _settle_device(self, model):
         param = next(iter(model.parameters()), None)
@@ -112,9 +131,12 @@ class AmpxPrecision(MixedPrecision):
         self.device = device
 
     def teardown(self):
-        """Gives the schedulers back their own class."""
+        """Gives the schedulers back their own class and ends the fit's GradBuffers."""
         while self._held:
             _release_scheduler(self._held.pop())
+        for buf in self.grad_buffers.values():
+            buf.close()  # the gradients stay as they are; later backwards leave them autograd's
+        self.grad_buffers.clear()
         super().teardown()
 
     # ---- the step ----------------------------------------------------------------------------
