@@ -156,6 +156,22 @@ def test_grad_buffer_trains_bit_identically(kind, optimizer_first, fresh_acceler
         assert torch.equal(p, q), name
 
 
+def test_clip_owner_is_found_in_any_order_and_only_for_all_its_parameters(fresh_accelerate):
+    from ampx.integrations.accelerate import _owner
+
+    acc = patch(Accelerator(cpu=True, mixed_precision="bf16"))
+    model, opt = acc.prepare(*_model_and("fused"))
+    params = list(model.parameters())
+    acc.backward(_loss(model(_batch(0)[0]), _batch(0)[1]))
+    assert _owner(acc, params) is opt  # the usual call: same parameters, same order
+    assert _owner(acc, params[::-1]) is opt  # another order: compared as sets
+    assert _owner(acc, params + [torch.nn.Parameter(torch.ones(2))]) is opt  # one without a gradient
+    assert _owner(acc, params[1:]) is None  # a subset: Accelerate's own clip
+    extra = torch.nn.Parameter(torch.ones(2))
+    extra.grad = torch.ones(2)
+    assert _owner(acc, params + [extra]) is None  # a gradient the optimizer does not step
+
+
 def test_grad_buffer_is_not_built_without_mixed_precision(fresh_accelerate, caplog):
     with caplog.at_level(logging.INFO, logger="ampx"):
         acc = patch(Accelerator(cpu=True), grad_buffer=True)

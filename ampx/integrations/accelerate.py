@@ -28,10 +28,12 @@ Why a function that patches an instance, not an ``Accelerator`` subclass: see do
 ("Framework integrations").
 """
 import logging
+import operator
 import os
 from types import MethodType
 
 from . import require
+from .. import _C
 from ..grad_buffer import GradBuffer, _refuse_bucket_views
 from ..scaler import GradScaler, resolve_optimizer
 
@@ -204,12 +206,21 @@ def _clip_grad_norm_(self, parameters, max_norm, norm_type=2):
 
 def _owner(accelerator, params):
     """The one prepared optimizer whose parameters with gradients are those of ``params``, or None.
-    (For ``ampx.MasterWeights`` those are the model's low-precision parameters.)"""
-    wanted = {id(p) for p in params if p.grad is not None}
-    for opt in accelerator._optimizers:
-        inner = resolve_optimizer(opt, "clip_grad_norm_")
-        have, _, _ = GradScaler._params_with_grads(inner)
-        if {id(p) for p in have} == wanted:
+    (For ``ampx.MasterWeights`` those are the model's low-precision parameters.) The usual case,
+    the same parameters in the same order, is settled by an identity walk in C (LoRA's 288
+    parameters: 0.06 ms a step as Python sets); anything else is compared as sets."""
+    haves = [GradScaler._params_with_grads(resolve_optimizer(opt, "clip_grad_norm_"))[0]
+             for opt in accelerator._optimizers]
+    try:
+        wanted, _, _ = _C.collect_grads([{"params": params}])
+    except (TypeError, ValueError, AssertionError):  # not all tensors: left to the set comparison (and the stock clip)
+        wanted = [p for p in params if getattr(p, "grad", None) is not None]
+    for opt, have in zip(accelerator._optimizers, haves):
+        if len(have) == len(wanted) and all(map(operator.is_, have, wanted)):
+            return opt
+    ids = {id(p) for p in wanted}
+    for opt, have in zip(accelerator._optimizers, haves):
+        if {id(p) for p in have} == ids:
             return opt
     return None
 
