@@ -20,9 +20,15 @@ How the views survive what a training loop does to ``p.grad`` (docs/DESIGN.md, "
 - ``optimizer.load_state_dict`` and ``model.load_state_dict`` never touch ``p.grad``, so the
   views stay (``load_state_dict(..., assign=True)`` replaces the Parameters: build a new buffer).
 """
+import weakref
+
 import torch
 
 __all__ = ["GradBuffer"]
+
+# id(parameter) -> (weakref to it, weakref to the open GradBuffer covering it): one buffer per
+# parameter at a time (two would move its gradient between them at every backward).
+_OWNERS = {}
 
 
 class GradBuffer:
@@ -76,7 +82,13 @@ class GradBuffer:
         TypeError: an entry of ``params`` is not a tensor, or is a tensor subclass that owns its
             storage (DTensor, FSDP's FlatParameter).
         ValueError: no trainable parameter; a sparse or meta parameter; a DDP module with
-            ``gradient_as_bucket_view=True``.
+            ``gradient_as_bucket_view=True``; a parameter another open GradBuffer covers
+            (``close()`` it first, or ``ampx.grad_buffer.release(params)``).
+
+    Lifetime: the parameters' hooks keep the buffer alive, and it holds only weak references
+    to them, so a dropped model frees its parameters, gradients and buffer without ``close()``
+    (a strong reference back would form a cycle through tensor hooks, which Python's garbage
+    collector cannot free).
     """
 
     def __init__(self, params, *, named_parameters=None):
@@ -88,33 +100,59 @@ class GradBuffer:
         if named_parameters is not None:
             for name, p in named_parameters:
                 self._names.setdefault(id(p), name)
-        self._params = _trainable(_ordered_params(params), self._describe)
-        if not self._params:
+        params = _trainable(_ordered_params(params), self._describe)
+        if not params:
             raise ValueError("GradBuffer: no parameter with requires_grad=True to hold gradients for")
-        self._index = {id(p): i for i, p in enumerate(self._params)}
+        for p in params:
+            other = _owner(p)
+            if other is not None:
+                raise ValueError(
+                    f"GradBuffer: {self._describe(p)} is already covered by another open GradBuffer "
+                    f"({other!r}); close() that one first (two buffers would move the gradient between them "
+                    "at every backward)")
+        # Weak references only: the parameters' hooks hold this object, so a strong reference
+        # back would make a cycle through tensor hooks, which the garbage collector never frees
+        # (a dropped model, a finished hyperparameter trial, would stay in memory for good).
+        self._refs = [weakref.ref(p) for p in params]
+        self._index = {id(p): i for i, p in enumerate(params)}
         self._buffers = {}  # (dtype, device) -> flat tensor, in first-seen order
         self._views = []  # one per parameter, same order
         self._ptrs = []  # each view's data_ptr(), to see a swapped storage
         self._layout = []  # (key, offset) per parameter
-        self._allocate()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i))
-                       for i, p in enumerate(self._params)]
+        self._allocate(params)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i)) for i, p in enumerate(params)]
+        me = weakref.ref(self, _forgetter([id(p) for p in params]))
+        for p in params:
+            _OWNERS[id(p)] = (weakref.ref(p), me)
 
     # ---- layout --------------------------------------------------------------------------
 
-    def _allocate(self):
+    @property
+    def _params(self):
+        """The covered parameters still alive, in layout order (with their indices: _live)."""
+        return [p for _, p in self._live()]
+
+    def _live(self):
+        out = []
+        for i, r in enumerate(self._refs):
+            p = r()
+            if p is not None:
+                out.append((i, p))
+        return out
+
+    def _allocate(self, params):
         sizes = {}
-        for p in self._params:
+        for p in params:
             key = (p.dtype, p.device)
             self._layout.append((key, sizes.get(key, 0)))
             sizes[key] = sizes.get(key, 0) + p.numel()
-        for p in self._params:  # checked before any p.grad changes
+        for p in params:  # checked before any p.grad changes
             if p.grad is not None:
                 _check_dense(p.grad, self._describe(p))
         for key, n in sizes.items():
             self._buffers[key] = torch.zeros(n, dtype=key[0], device=key[1])
         with torch.no_grad():
-            for p, (key, offset) in zip(self._params, self._layout):
+            for p, (key, offset) in zip(params, self._layout):
                 view = _view_like(self._buffers[key], offset, p)
                 self._views.append(view)
                 self._ptrs.append(view.data_ptr())
@@ -199,15 +237,15 @@ class GradBuffer:
         """
         for b in self._buffers.values():
             b.zero_()
-        for p, v in zip(self._params, self._views):
-            if p.grad is not v:
-                p.grad = v
+        for i, p in self._live():
+            if p.grad is not self._views[i]:
+                p.grad = self._views[i]
 
     def reattach(self):
         """Puts every set gradient back in its view (copying it there if it lives elsewhere);
         gradients that are None stay None. What the backward hook does, for code that assigned
         ``p.grad`` after the last backward."""
-        for i, p in enumerate(self._params):
+        for i, p in self._live():
             if p.grad is not None and p.grad is not self._views[i]:
                 self._adopt(i, p)
 
@@ -215,7 +253,8 @@ class GradBuffer:
         """Raises RuntimeError naming every parameter whose gradient is set but does not live at
         its place in the buffer (assigned after the last backward, or ``p.grad.data`` swapped)."""
         bad = []
-        for p, v, (key, offset) in zip(self._params, self._views, self._layout):
+        for i, p in self._live():
+            v, (key, offset) = self._views[i], self._layout[i]
             g = p.grad
             if g is None:
                 continue
@@ -230,19 +269,59 @@ class GradBuffer:
                                + ". Call reattach() to copy them back in.")
 
     def close(self):
-        """Removes the backward hooks. Gradients stay where they are (views keep the buffer
-        alive until they are replaced)."""
+        """Removes the backward hooks, so another GradBuffer may cover these parameters. Gradients
+        stay where they are (views keep the buffer alive until they are replaced)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for i, p in self._live():
+            if _owner(p) is self:
+                del _OWNERS[id(p)]
+
+    @property
+    def closed(self):
+        """Whether close() was called (the gradients are no longer kept in the buffer)."""
+        return not self._hooks
 
     def __repr__(self):
         parts = ", ".join(f"{str(k[0]).replace('torch.', '')} on {k[1]}: {b.numel():,}"
                           for k, b in self._buffers.items())
-        return f"GradBuffer({len(self._params)} parameters; {parts})"
+        return f"GradBuffer({len(self._refs)} parameters; {parts}{'; closed' if self.closed else ''})"
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+
+def _forgetter(ids):
+    """A callback for the weak reference to a buffer: drops its _OWNERS entries when it dies."""
+    def forget(ref):
+        for k in ids:
+            entry = _OWNERS.get(k)
+            if entry is not None and entry[1] is ref:
+                del _OWNERS[k]
+    return forget
+
+
+def _owner(p):
+    """The open GradBuffer covering parameter p, or None."""
+    entry = _OWNERS.get(id(p))
+    if entry is None:
+        return None
+    param, buf = entry[0](), entry[1]()
+    if param is not p or buf is None or buf.closed:  # a stale entry (an id reused, a buffer gone)
+        return None
+    return buf
+
+
+def release(params):
+    """Closes the open GradBuffers that cover any of ``params`` (an optimizer, a module or
+    parameters, as GradBuffer takes them): what the framework integrations do before giving an
+    optimizer a new buffer (a second Trainer on the same model, a re-prepared optimizer)."""
+    if isinstance(params, torch.nn.Module):
+        params = list(params.parameters())
+    for p in _ordered_params(params):
+        buf = _owner(p) if isinstance(p, torch.Tensor) else None
+        if buf is not None:
+            buf.close()
 
 def _ordered_params(params):
     """The parameters of an optimizer, module-free iterable or param groups, in order."""

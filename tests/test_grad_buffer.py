@@ -16,9 +16,11 @@ Covers:
 About 10 s on the 2-core VM, most of it the 2-rank spawn.
 """
 import copy
+import gc
 import itertools
 import os
 import sys
+import weakref
 
 import pytest
 import torch
@@ -26,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ampx
+from ampx.grad_buffer import release
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import assert_bits_equal  # noqa: E402
@@ -347,9 +350,10 @@ def test_a_cast_model_is_refused_at_the_next_backward():
 
 def test_sparse_gradients_and_bad_parameters_are_refused():
     emb = torch.nn.Embedding(10, 4, sparse=True)
-    ampx.GradBuffer(emb)
+    first = ampx.GradBuffer(emb)
     with pytest.raises(RuntimeError, match="sparse_coo gradient; GradBuffer holds dense"):
         emb(torch.tensor([1, 2])).sum().backward()
+    first.close()
     # refused whole: the dense parameter before it keeps its own gradient
     dense = torch.nn.Parameter(torch.ones(3))
     dense.grad = g = torch.ones(3)
@@ -362,6 +366,48 @@ def test_sparse_gradients_and_bad_parameters_are_refused():
         ampx.GradBuffer([torch.ones(3)])
     with pytest.raises(ValueError, match="not a leaf"):
         ampx.GradBuffer([torch.ones(3, requires_grad=True) * 2])
+
+
+def test_one_open_buffer_per_parameter():
+    model = make_model()
+    buf = ampx.GradBuffer(model)
+    with pytest.raises(ValueError, match="already covered by another open GradBuffer"):
+        ampx.GradBuffer(model)
+    with pytest.raises(ValueError, match="already covered"):
+        ampx.GradBuffer([next(model.parameters())])  # one shared parameter is enough
+    assert not buf.closed
+    release(model)  # what the integrations do before building a new one
+    assert buf.closed and "closed" in repr(buf)
+    again = ampx.GradBuffer(model)
+    model(torch.randn(4, 8)).sum().backward()
+    again.check()
+
+
+def test_a_dropped_model_and_its_buffer_are_freed():
+    """The hooks hold the buffer, the buffer only weak references to the parameters: no cycle
+    through tensor hooks (which the garbage collector never frees), so dropping the model frees
+    parameters, gradients and buffer without close()."""
+    model = make_model()
+    buf = ampx.GradBuffer(model)
+    model(torch.randn(4, 8)).sum().backward()
+    p_ref, buf_ref, flat_ref = weakref.ref(next(model.parameters())), weakref.ref(buf), \
+        weakref.ref(next(iter(buf.buffers.values())))
+    del model, buf
+    gc.collect()
+    assert p_ref() is None and buf_ref() is None and flat_ref() is None
+
+
+def test_a_kept_buffer_outlives_its_dropped_model():
+    model = make_model()
+    buf = ampx.GradBuffer(model)
+    model(torch.randn(4, 8)).sum().backward()
+    del model
+    gc.collect()
+    assert buf.params == [] and buf.nbytes > 0
+    buf.zero_grad()
+    buf.reattach()
+    buf.check()
+    buf.close()
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
