@@ -76,6 +76,7 @@ def _train_accelerate(precision, kind, *, accum=1, steps=STEPS, inf_steps=(INF_S
     else:
         model, opt, sched = acc.prepare(model, opt, sched)
     InfAt(dict(model.named_parameters())[NAME], inf_steps, accum)
+    views = []
     start = 0
     if resume_from is not None:
         acc.load_state(resume_from)
@@ -88,6 +89,8 @@ def _train_accelerate(precision, kind, *, accum=1, steps=STEPS, inf_steps=(INF_S
                 acc.backward(_loss(model(x), y))
                 if acc.sync_gradients and clip is not None:
                     acc.clip_grad_norm_(model.parameters(), clip)
+                if grad_buffer and acc.sync_gradients:  # every gradient a view of the buffer as it steps
+                    views.append(_all_views(model, opt.ampx_grad_buffer))
                 opt.step()
                 sched.step()
                 opt.zero_grad()
@@ -95,7 +98,14 @@ def _train_accelerate(precision, kind, *, accum=1, steps=STEPS, inf_steps=(INF_S
                         "lr": sched.get_last_lr()[0]})
     if save_to is not None:
         acc.save_state(save_to)
+    if grad_buffer:
+        records = [dict(r, views=v) for r, v in zip(records, views)]
     return model, acc, records
+
+
+def _all_views(model, buf):
+    flat = [b.untyped_storage().data_ptr() for b in buf.buffers.values()]
+    return all(p.grad is not None and p.grad.untyped_storage().data_ptr() in flat for p in model.parameters())
 
 
 def _train_direct(precision, kind, *, accum=1, steps=STEPS, inf_steps=(INF_STEP,), clip=0.5):
@@ -139,6 +149,7 @@ def test_grad_buffer_trains_bit_identically(kind, optimizer_first, fresh_acceler
     got its arguments in), every gradient is a view of it, and the run (with its skipped step and
     clip) is bit for bit the one without it."""
     model, acc, records = _train_accelerate("fp16", kind, accum=2, grad_buffer=True, optimizer_first=optimizer_first)
+    assert [r.pop("views") for r in records] == [True] * STEPS
     opt = acc._optimizers[0]
     buf = opt.ampx_grad_buffer
     assert isinstance(buf, ampx.GradBuffer)
@@ -173,11 +184,46 @@ def test_clip_owner_is_found_in_any_order_and_only_for_all_its_parameters(fresh_
 
 
 def test_grad_buffer_is_not_built_without_mixed_precision(fresh_accelerate, caplog):
-    with caplog.at_level(logging.INFO, logger="ampx"):
+    with caplog.at_level(logging.WARNING, logger="ampx"):
         acc = patch(Accelerator(cpu=True), grad_buffer=True)
     model, opt = acc.prepare(*_model_and("plain"))
     assert getattr(opt, "ampx_grad_buffer", None) is None
-    assert "grad_buffer too" in caplog.text
+    assert "grad_buffer=True is ignored" in caplog.text
+
+
+def test_grad_buffer_waits_for_prepare_to_place_the_model(fresh_accelerate):
+    """prepare(optimizer, model) prepares the optimizer first: the buffer must not be laid out
+    before the model is placed (on a GPU the parameters would move after)."""
+    acc = patch(Accelerator(cpu=True, mixed_precision="fp16"), grad_buffer=True)
+    model, opt = _model_and("fused")
+    seen = []
+    real = acc.prepare_model
+
+    def spy(m, *a, **k):
+        seen.append(acc._optimizers and getattr(acc._optimizers[0], "ampx_grad_buffer", None))
+        return real(m, *a, **k)
+
+    acc.prepare_model = spy
+    opt, model = acc.prepare(opt, model)
+    assert seen == [None]  # the optimizer was prepared already, its buffer not yet built
+    assert isinstance(opt.ampx_grad_buffer, ampx.GradBuffer)
+
+
+def test_a_re_prepared_optimizer_gets_a_new_buffer(fresh_accelerate):
+    """free_memory() and a new optimizer over the same model (a second stage of training): the
+    old buffer is closed and the new one covers the parameters."""
+    acc = patch(Accelerator(cpu=True, mixed_precision="fp16"), grad_buffer=True)
+    model, opt = acc.prepare(*_model_and("fused"))
+    first = opt.ampx_grad_buffer
+    x, y = _batch(0)
+    acc.backward(_loss(model(x), y))
+    acc.free_memory()
+    opt2 = acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert first.closed and not opt2.ampx_grad_buffer.closed
+    opt2.zero_grad()
+    acc.backward(_loss(model(x), y))
+    opt2.ampx_grad_buffer.check()
+    opt2.step()
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
@@ -348,22 +394,34 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
-def test_ddp_two_ranks_skip_the_same_steps(tmp_path):
+def _ddp_run(tmp_path, mode):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     port = str(_free_port())
     worker = os.path.join(os.path.dirname(__file__), "_accelerate_ddp_worker.py")
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, ACCELERATE_USE_CPU="yes", OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, worker, str(tmp_path)], env=env,
+        procs.append(subprocess.Popen([sys.executable, worker, str(tmp_path), mode], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     for p in procs:
         out, _ = p.communicate(timeout=120)
         assert p.returncode == 0, out.decode()[-3000:]
-    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+def test_ddp_two_ranks_skip_the_same_steps(tmp_path):
+    seen = _ddp_run(tmp_path / "plain", "plain")
     for s in seen:
         assert s["world"] == 2 and s["kind"] == "MULTI_CPU"
         assert s["skipped"] == [i == 2 for i in range(6)]  # the inf was on rank 1 only
         assert s["report"] == ["2.weight"]
     assert seen[0]["params"] == seen[1]["params"]
+    # patch(grad_buffer=True): DDP copies the averaged gradients into the buffer's views; the
+    # same run, bit for bit. With DDP's own bucket views the buffer is refused at prepare().
+    buffered = _ddp_run(tmp_path / "buffer", "buffer")
+    for s, b in zip(seen, buffered):
+        assert b["views"] == [True] * 6 and b["skipped"] == s["skipped"] and b["params"] == s["params"]
+    for r in _ddp_run(tmp_path / "bucket", "bucket"):
+        assert r["refused"] is not None and "gradient_as_bucket_view=True" in r["refused"]

@@ -303,6 +303,22 @@ def test_grad_buffer_trains_bit_identically(kind):
         assert torch.equal(p, q), name
 
 
+def test_grad_buffer_only_for_fitting():
+    """validate() after fit() connects the plugin with the fit's optimizers again: no buffer then."""
+    class WithValidation(Net):
+        def validation_step(self, batch, batch_idx):
+            return self.training_step(batch, batch_idx)
+
+    model = WithValidation("fused")
+    plugin = AmpxPrecision("16-mixed", grad_buffer=True)
+    built = []
+    real = plugin._give_buffers
+    plugin._give_buffers = lambda *a: (built.append(model.trainer.state.fn), real(*a))[1]
+    t = fit(model, plugin, batches(4))
+    t.validate(model, torch.utils.data.DataLoader(batches(2), batch_size=None), verbose=False)
+    assert built == ["fit"] and plugin.grad_buffers == {}
+
+
 def test_bf16_without_a_scaler_still_clips_through_ampx(clip_calls):
     data = batches(6)
     model = Net("fused")

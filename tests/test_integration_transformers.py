@@ -145,12 +145,41 @@ def test_resume_mid_run(precision, tmp_path, fresh_accelerate):
         assert torch.equal(p, q)
 
 
+class Views(TrainerCallback):
+    """Whether every gradient is a view of the optimizer's GradBuffer when it is about to step."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, model=None, **kwargs):
+        flat = [b.untyped_storage().data_ptr() for b in optimizer.ampx_grad_buffer.buffers.values()]
+        self.seen.append(all(p.grad is not None and p.grad.untyped_storage().data_ptr() in flat
+                             for p in model.parameters() if p.requires_grad))
+
+
+def test_a_second_trainer_on_the_same_model_takes_over_the_buffer(tmp_path, fresh_accelerate):
+    """Two stages of fine-tuning, each its own Trainer over one model: the first stage's buffer
+    is closed when the second prepares its optimizer."""
+    first, _ = _trainer(tmp_path / "a", "fp16", "fused", steps=2, inf_steps=(), grad_buffer=True)
+    first.train()
+    reset_accelerate()
+    second, _ = _trainer(tmp_path / "b", "fp16", "foreach", steps=2, inf_steps=(), grad_buffer=True, model=first.model)
+    views = Views()
+    second.add_callback(views)
+    second.train()
+    assert first.optimizer.ampx_grad_buffer.closed and not second.optimizer.ampx_grad_buffer.closed
+    assert views.seen == [True, True]
+
+
 @pytest.mark.parametrize("kind", [None, "foreach"])  # None: the Trainer's own (fused AdamW)
 def test_grad_buffer_trains_bit_identically(kind, tmp_path, fresh_accelerate):
     """ampx_grad_buffer=True: the Trainer's optimizer gets a GradBuffer when the accelerator
     prepares it, the gradients are views of it, and the run is bit for bit the one without."""
     trainer, record = _trainer(tmp_path / "buf", "fp16", kind, accum=2, grad_buffer=True)
+    views = Views()
+    trainer.add_callback(views)
     trainer.train()
+    assert views.seen == [True] * STEPS  # every gradient a view of the buffer at every step
     buf = trainer.optimizer.ampx_grad_buffer
     assert isinstance(buf, ampx.GradBuffer)
     seen = {id(p) for p in buf._params}

@@ -30,11 +30,14 @@ Why a function that patches an instance, not an ``Accelerator`` subclass: see do
 import logging
 import operator
 import os
+import weakref
 from types import MethodType
+
+import torch
 
 from . import require
 from .. import _C
-from ..grad_buffer import GradBuffer, _refuse_bucket_views
+from ..grad_buffer import GradBuffer, _refuse_bucket_views, release
 from ..scaler import GradScaler, resolve_optimizer
 
 require("accelerate", "accelerate")
@@ -90,8 +93,10 @@ def patch(accelerator, *, grad_buffer=False, **scaler_kwargs):
         return accelerator
     precision = accelerator.mixed_precision
     if precision not in ("fp16", "bf16"):
-        logger.info("ampx: mixed_precision=%r needs no loss scaler; the accelerator is left as it is%s", precision,
-                    " (grad_buffer too: build ampx.GradBuffer(optimizer) yourself)" if grad_buffer else "")
+        logger.info("ampx: mixed_precision=%r needs no loss scaler; the accelerator is left as it is", precision)
+        if grad_buffer:
+            logger.warning("ampx: grad_buffer=True is ignored with mixed_precision=%r: without ampx's scaler "
+                           "nothing reads the gradients as one buffer, which would only cost a copy of each", precision)
         return accelerator
     device = accelerator.device.type
     scaler = _make_scaler(accelerator, precision, device, scaler_kwargs)  # a bad setting raises before any change
@@ -143,9 +148,14 @@ def _give_buffer(opt, accelerator):
     """The optimizer's GradBuffer, when the patch asked for them; built once the models it steps
     are prepared (on their device, wrapped), so after ``prepare`` returns."""
     if getattr(accelerator, "_ampx_grad_buffer", False) and getattr(opt, "ampx_grad_buffer", None) is None:
-        for model in accelerator._models:  # DDP's bucket views would fight the buffer's views
-            _refuse_bucket_views(model)
-        opt.ampx_grad_buffer = GradBuffer(resolve_optimizer(opt, "GradBuffer"))
+        # DDP's bucket views would fight the buffer's views. (accelerator._models keeps the
+        # unwrapped models: the wrappers are the ones prepare_model returned.)
+        for ref in getattr(accelerator, "_ampx_wrapped", ()):
+            if ref() is not None:
+                _refuse_bucket_views(ref())
+        inner = resolve_optimizer(opt, "GradBuffer")
+        release(inner)  # a buffer an earlier optimizer over these parameters had (re-prepared, a new Trainer)
+        opt.ampx_grad_buffer = GradBuffer(inner)
 
 
 def _watch(accelerator, model):
@@ -172,6 +182,9 @@ def _prepare(self, *args, **kwargs):
 def _prepare_model(self, model, *args, **kwargs):
     model = type(self).prepare_model(self, model, *args, **kwargs)
     _watch(self, model)  # overflow reports name parameters as the user's model does
+    if isinstance(model, torch.nn.Module) and model is not self.unwrap_model(model):
+        wrapped = self.__dict__.setdefault("_ampx_wrapped", [])
+        wrapped.append(weakref.ref(model))  # DDP and the like, for _give_buffer's bucket-view check
     return model
 
 

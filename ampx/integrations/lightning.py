@@ -33,7 +33,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
 
-from ..grad_buffer import GradBuffer, _refuse_bucket_views  # noqa: E402
+from ..grad_buffer import GradBuffer, _refuse_bucket_views, release  # noqa: E402
 from ..scaler import GradScaler  # noqa: E402
 
 __all__ = ["AmpxPrecision"]
@@ -111,7 +111,7 @@ class AmpxPrecision(MixedPrecision):
         for config in lr_scheduler_configs:
             if config.interval == "step" and _hold_scheduler(config.scheduler, self):
                 self._held.append(config.scheduler)
-        if self.grad_buffer:
+        if self.grad_buffer and _fitting(model):
             self._give_buffers(model, optimizers)
         return super().connect(model, optimizers, lr_scheduler_configs)
 
@@ -121,6 +121,7 @@ class AmpxPrecision(MixedPrecision):
         for opt in optimizers:
             opt = _unwrap(opt)
             if id(opt) not in self.grad_buffers:
+                release(opt)  # another plugin's or trainer's buffer over the same parameters
                 self.grad_buffers[id(opt)] = GradBuffer(opt)
 
     def _settle_device(self, model):
@@ -220,6 +221,16 @@ class AmpxPrecision(MixedPrecision):
                 self.load_state_dict(checkpoint[key])
                 log.info("ampx: loaded the loss-scaler state saved under %r", key)
                 return
+
+
+def _fitting(model):
+    """Whether the trainer that connects the plugin is fitting (Lightning keeps the last fit's
+    optimizers for validate/test/predict, which need no gradient buffer). True when unknown."""
+    for m in (model, getattr(model, "module", None), getattr(getattr(model, "module", None), "module", None)):
+        trainer = getattr(m, "_trainer", None)
+        if trainer is not None:
+            return getattr(getattr(trainer, "state", None), "fn", "fit") == "fit"
+    return True
 
 
 def _unwrap(optimizer):
