@@ -463,7 +463,9 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
 
         As ``torch.amp.GradScaler.step``. ``last_step_skipped`` tells afterwards whether the
         step was skipped (for optimizers that handle scaling themselves, reading it waits for
-        the device; nothing else does).
+        the device; nothing else does). One difference visible to step hooks: torch's own fused
+        optimizers on the CPU see ``optimizer.found_inf`` None rather than a zero tensor when
+        nothing overflowed (the same result, without a per-parameter op on the step counters).
         """
         optimizer = resolve_optimizer(optimizer, "step", "param_groups" if self._enabled else "step")
         if not self._enabled:

@@ -146,42 +146,47 @@ def test_clip_is_folded_into_a_fused_optimizers_grad_scale():
     assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
 
 
-@pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.SGD])
-def test_cpu_fused_step_is_handed_found_inf_only_when_set(opt_cls):
-    """On the CPU a clear flag is not handed to the fused step (it would only add and subtract 0
-    from every step counter); a set one is, and the step is skipped as torch's would be. The
-    states match torch's GradScaler bit for bit either way."""
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True),
+    lambda ps: torch.optim.Adam(ps, lr=torch.tensor(0.05), amsgrad=True, fused=True),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, fused=True),
+    lambda ps: torch.optim.Adagrad(ps, lr=0.1, lr_decay=0.01, fused=True),
+], ids=["adamw", "adam-amsgrad-tensor-lr", "sgd-nesterov", "adagrad"])
+@pytest.mark.parametrize("route", ["step", "unscale_"])
+def test_cpu_fused_step_is_handed_found_inf_only_when_set(make_opt, route):
+    """On the CPU a clear flag is not handed to torch's fused step (it would only add and
+    subtract 0 from every step counter); a set one is, and the step is skipped as torch's would
+    be. Parameters and every parameter's state match torch's GradScaler bit for bit."""
     runs = {}
     for kind in ("ampx", "torch"):
         model = _grads_model()
-        opt = opt_cls(model.parameters(), lr=0.1, fused=True)
+        opt = make_opt(list(model.parameters()))
         scaler = (ampx.GradScaler if kind == "ampx" else torch.amp.GradScaler)("cpu", init_scale=2.0**8)
         seen = []
-        real_step = opt.step
-
-        def spy_step(*a, _opt=opt, _seen=seen, _real=real_step, **k):
-            f = getattr(_opt, "found_inf", None)
-            _seen.append(None if f is None else float(f))
-            return _real(*a, **k)
-
-        opt.step = spy_step
-        for it in range(3):
+        opt.register_step_pre_hook(
+            lambda o, args, kwargs, _seen=seen: _seen.append(None if o.found_inf is None else float(o.found_inf)))
+        for it in range(4):
             scaler.scale(torch.ones(()))
             for i, p in enumerate(model.parameters()):
                 p.grad = torch.full_like(p, 0.01 * (i + 1) * 2.0**8)
                 if it == 1 and i == 2:
                     p.grad.view(-1)[0] = float("inf")
+            if route == "unscale_":
+                scaler.unscale_(opt)
             scaler.step(opt)
             scaler.update()
-        runs[kind] = (seen, [p.detach().clone() for p in model.parameters()],
-                      {k: v.clone() if isinstance(v, torch.Tensor) else v
-                       for st in opt.state.values() for k, v in st.items()})
-    assert runs["ampx"][0] == [None, 1.0, None]
-    assert runs["torch"][0] == [0.0, 1.0, 0.0]
+        state = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()}
+                 for p in model.parameters()]
+        runs[kind] = (seen, [p.detach().clone() for p in model.parameters()], state)
+    assert runs["ampx"][0] == [None, 1.0, None, None]
+    assert runs["torch"][0] == [0.0, 1.0, 0.0, 0.0]
     for a, b in zip(runs["ampx"][1], runs["torch"][1]):
         assert torch.equal(a, b)
-    for k in runs["ampx"][2]:
-        assert torch.equal(torch.as_tensor(runs["ampx"][2][k]), torch.as_tensor(runs["torch"][2][k])), k
+    for i, (a, b) in enumerate(zip(runs["ampx"][2], runs["torch"][2])):
+        assert a.keys() == b.keys(), i
+        for k in a:
+            x, y = torch.as_tensor(a[k]), torch.as_tensor(b[k])
+            assert x.dtype == y.dtype and torch.equal(x, y), (i, k)
 
 
 def test_fused_step_against_separate_unscale_clip_step():
