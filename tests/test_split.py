@@ -305,3 +305,59 @@ def test_master_weights_keep_the_dynamic_split():
     mw = ampx.MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1))
     assert _split(mw) == ops.SPLIT_DYNAMIC
     assert _split(torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), fused=True)) == ops.SPLIT_FUSED
+
+
+def test_concurrent_python_threads_under_the_split(rng):
+    """Several Python threads, each a split call big enough to release the GIL: each result right."""
+    import threading
+
+    datas = [data(rng, torch.float32, [70000, 33000, 5]) for _ in range(4)]
+    refs = [[unscale_ref(x, 0.25) for x in xs] for xs in datas]
+    errors = []
+
+    def work(xs):
+        try:
+            for _ in range(5):
+                run("unscale", xs, ops.SPLIT_FUSED, 2, inv=1.0)
+            run("unscale", xs, ops.SPLIT_FUSED, 2, inv=0.25)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    with force_threads(2), split_limit(1 << 40):
+        threads = [threading.Thread(target=work, args=(xs,)) for xs in datas]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors
+    for xs, rs in zip(datas, refs):
+        for x, r in zip(xs, rs):
+            assert_bits_equal(x, r)
+
+
+_FORKED = textwrap.dedent("""
+    import os, sys, torch, ampx
+    from ampx import ops
+    torch.set_num_threads(2)
+    ampx._C.set_parallel_threshold(0)
+    ampx._C.set_split_max_bytes(1 << 40)
+    x = torch.ones(70000)
+    ampx._C.scale_reduce("t", [x], ops._SCALE | ops._WRITE, factor=2.0, split=1, nthreads=2)
+    assert ampx._C._last_split() == 1
+    pid = os.fork()
+    if pid == 0:
+        ok = False
+        try:
+            ampx._C.scale_reduce("t", [x], ops._SCALE | ops._WRITE, factor=0.5, split=1, nthreads=2)
+            ok = bool(torch.all(x == 1.0)) and ampx._C._last_split() == 0  # the pool: dynamic
+        finally:
+            os._exit(0 if ok else 3)
+    _, status = os.waitpid(pid, 0)
+    sys.exit(os.waitstatus_to_exitcode(status))
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_after_a_split_call_shares_dynamically():
+    out = subprocess.run([sys.executable, "-c", _FORKED], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
