@@ -47,6 +47,9 @@ class GradBuffer:
             ``requires_grad=False`` are left out; a parameter listed twice is laid out once.
         named_parameters: optional iterable of (name, parameter), e.g.
             ``model.named_parameters()``, for error messages (a Module gives its own).
+        replace: take over parameters that another open GradBuffer covers, closing that one
+            once this one is built (nothing changes if building raises). Without it such a
+            parameter is refused.
 
     What it changes:
         - Memory: the buffers are allocated (and zeroed) up front, as large as all trainable
@@ -91,7 +94,7 @@ class GradBuffer:
     collector cannot free).
     """
 
-    def __init__(self, params, *, named_parameters=None):
+    def __init__(self, params, *, named_parameters=None, replace=False):
         self._names = {}
         if isinstance(params, torch.nn.Module):
             _refuse_bucket_views(params)
@@ -103,13 +106,16 @@ class GradBuffer:
         params = _trainable(_ordered_params(params), self._describe)
         if not params:
             raise ValueError("GradBuffer: no parameter with requires_grad=True to hold gradients for")
+        others = []
         for p in params:
             other = _owner(p)
-            if other is not None:
+            if other is not None and not replace:
                 raise ValueError(
                     f"GradBuffer: {self._describe(p)} is already covered by another open GradBuffer "
-                    f"({other!r}); close() that one first (two buffers would move the gradient between them "
-                    "at every backward)")
+                    f"({other!r}); close() that one first, or pass replace=True (two buffers would move the "
+                    "gradient between them at every backward)")
+            if other is not None and other not in others:
+                others.append(other)
         # Weak references only: the parameters' hooks hold this object, so a strong reference
         # back would make a cycle through tensor hooks, which the garbage collector never frees
         # (a dropped model, a finished hyperparameter trial, would stay in memory for good).
@@ -120,6 +126,8 @@ class GradBuffer:
         self._ptrs = []  # each view's data_ptr(), to see a swapped storage
         self._layout = []  # (key, offset) per parameter
         self._allocate(params)
+        for other in others:  # built: only now is anything of theirs given up
+            other.close()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i)) for i, p in enumerate(params)]
         me = weakref.ref(self, _forgetter([id(p) for p in params]))
         for p in params:
@@ -210,8 +218,8 @@ class GradBuffer:
 
     @property
     def params(self):
-        """The covered parameters, in layout order."""
-        return list(self._params)
+        """The covered parameters still alive, in layout order."""
+        return self._params
 
     @property
     def buffers(self):
@@ -314,8 +322,8 @@ def _owner(p):
 
 def release(params):
     """Closes the open GradBuffers that cover any of ``params`` (an optimizer, a module or
-    parameters, as GradBuffer takes them): what the framework integrations do before giving an
-    optimizer a new buffer (a second Trainer on the same model, a re-prepared optimizer)."""
+    parameters, as GradBuffer takes them). To hand the parameters to a new buffer, prefer
+    ``GradBuffer(params, replace=True)``, which closes them only once the new one is built."""
     if isinstance(params, torch.nn.Module):
         params = list(params.parameters())
     for p in _ordered_params(params):

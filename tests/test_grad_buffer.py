@@ -376,11 +376,33 @@ def test_one_open_buffer_per_parameter():
     with pytest.raises(ValueError, match="already covered"):
         ampx.GradBuffer([next(model.parameters())])  # one shared parameter is enough
     assert not buf.closed
-    release(model)  # what the integrations do before building a new one
+    release(model)
     assert buf.closed and "closed" in repr(buf)
     again = ampx.GradBuffer(model)
     model(torch.randn(4, 8)).sum().backward()
     again.check()
+
+
+def test_replace_takes_over_only_once_built():
+    """replace=True (what the integrations use): the earlier buffer is closed once the new one
+    is built; a build that raises leaves the earlier one open and every gradient where it was."""
+    model = make_model()
+    first = ampx.GradBuffer(model)
+    model(torch.randn(4, 8)).sum().backward()
+    first.check()
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    emb(torch.tensor([1])).sum().backward()  # a sparse gradient: refused when the next buffer is built
+    grads = [p.grad for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="sparse_coo gradient"):
+        ampx.GradBuffer(list(model.parameters()) + [emb.weight], replace=True)
+    assert not first.closed and all(p.grad is g for p, g in zip(model.parameters(), grads))
+    first.check()
+    second = ampx.GradBuffer(model, replace=True)
+    assert first.closed and not second.closed
+    second.check()  # the gradients moved into the new buffer
+    model.zero_grad()
+    model(torch.randn(4, 8)).sum().backward()
+    second.check()
 
 
 def test_a_dropped_model_and_its_buffer_are_freed():

@@ -37,7 +37,7 @@ import torch
 
 from . import require
 from .. import _C
-from ..grad_buffer import GradBuffer, _refuse_bucket_views, release
+from ..grad_buffer import GradBuffer, _refuse_bucket_views
 from ..scaler import GradScaler, resolve_optimizer
 
 require("accelerate", "accelerate")
@@ -153,9 +153,9 @@ def _give_buffer(opt, accelerator):
         for ref in getattr(accelerator, "_ampx_wrapped", ()):
             if ref() is not None:
                 _refuse_bucket_views(ref())
-        inner = resolve_optimizer(opt, "GradBuffer")
-        release(inner)  # a buffer an earlier optimizer over these parameters had (re-prepared, a new Trainer)
-        opt.ampx_grad_buffer = GradBuffer(inner)
+        # replace: a buffer an earlier optimizer over these parameters had (re-prepared, a new
+        # Trainer) is closed once this one is built
+        opt.ampx_grad_buffer = GradBuffer(resolve_optimizer(opt, "GradBuffer"), replace=True)
 
 
 def _watch(accelerator, model):

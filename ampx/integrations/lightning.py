@@ -33,7 +33,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
 
-from ..grad_buffer import GradBuffer, _refuse_bucket_views, release  # noqa: E402
+from ..grad_buffer import GradBuffer, _refuse_bucket_views  # noqa: E402
 from ..scaler import GradScaler  # noqa: E402
 
 __all__ = ["AmpxPrecision"]
@@ -120,9 +120,8 @@ class AmpxPrecision(MixedPrecision):
             _refuse_bucket_views(model)  # DDP's bucket views would fight the buffer's views
         for opt in optimizers:
             opt = _unwrap(opt)
-            if id(opt) not in self.grad_buffers:
-                release(opt)  # another plugin's or trainer's buffer over the same parameters
-                self.grad_buffers[id(opt)] = GradBuffer(opt)
+            if id(opt) not in self.grad_buffers:  # replace: another plugin's or trainer's buffer
+                self.grad_buffers[id(opt)] = GradBuffer(opt, replace=True)
 
     def _settle_device(self, model):
         param = next(iter(model.parameters()), None)
