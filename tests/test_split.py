@@ -8,7 +8,8 @@ references and the dynamic split: every op and dtype at sizes either side of the
 grain and the chunk, 2, 3 and 5 threads, inf/NaN reported at their own index; that the split
 really ran where it should and fell back where it should not (``_C._last_split``): over the byte
 limit, on ampx's own pool, in a team smaller than asked; spans not merged under it; a bad
-``split`` refused by name; and that the scaler picks it by optimizer.
+``split`` refused by name; and that the scaler picks it by optimizer. (A forked child after a
+split call: tests/test_threads.py, test_forked_child_runs_parallel_calls_on_the_pool.)
 """
 import os
 import subprocess
@@ -333,31 +334,3 @@ def test_concurrent_python_threads_under_the_split(rng):
     for xs, rs in zip(datas, refs):
         for x, r in zip(xs, rs):
             assert_bits_equal(x, r)
-
-
-_FORKED = textwrap.dedent("""
-    import os, sys, torch, ampx
-    from ampx import ops
-    torch.set_num_threads(2)
-    ampx._C.set_parallel_threshold(0)
-    ampx._C.set_split_max_bytes(1 << 40)
-    x = torch.ones(70000)
-    ampx._C.scale_reduce("t", [x], ops._SCALE | ops._WRITE, factor=2.0, split=1, nthreads=2)
-    assert ampx._C._last_split() == 1
-    pid = os.fork()
-    if pid == 0:
-        ok = False
-        try:
-            ampx._C.scale_reduce("t", [x], ops._SCALE | ops._WRITE, factor=0.5, split=1, nthreads=2)
-            ok = bool(torch.all(x == 1.0)) and ampx._C._last_split() == 0  # the pool: dynamic
-        finally:
-            os._exit(0 if ok else 3)
-    _, status = os.waitpid(pid, 0)
-    sys.exit(os.waitstatus_to_exitcode(status))
-""")
-
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_a_forked_child_after_a_split_call_shares_dynamically():
-    out = subprocess.run([sys.executable, "-c", _FORKED], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr

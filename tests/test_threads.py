@@ -87,13 +87,18 @@ _FORK = textwrap.dedent("""
     x = torch.ones(1 << 21)
     ops.mul_([x], 2.0)          # the parent uses the OpenMP team ...
     x.mul_(1.0)                 # ... and so does torch
+    split = ops._SCALE | ops._WRITE
+    ampx._C.scale_reduce("t", [x], split, factor=1.0, split=ops.SPLIT_FUSED, nthreads=2)  # and torch's cut
     pid = os.fork()
     if pid == 0:
         ok = False
         try:
             ops.mul_([x], 0.5)  # two threads (AMPX_NUM_THREADS): must not enter the parent's team
+            # nor may a call asking for torch's cut (it falls back to the pool's dynamic split)
+            ampx._C.scale_reduce("t", [x], split, factor=1.0, split=ops.SPLIT_FUSED, nthreads=2)
             torch.set_num_threads(1)  # torch's own parallel ops would hang in this child
-            ok = bool(torch.all(x == 1.0)) and ops.thread_backend() == "ampx pool"
+            ok = (bool(torch.all(x == 1.0)) and ops.thread_backend() == "ampx pool"
+                  and ampx._C._last_split() == ops.SPLIT_DYNAMIC)
         finally:
             os._exit(0 if ok else 3)
     _, status = os.waitpid(pid, 0)
