@@ -26,7 +26,6 @@ capture. Run one eager step before capturing, so that ampx loads its kernels out
 Use ``is_available()`` to ask whether ampx can run on CUDA here and ``unavailable_reason()`` to
 learn why not.
 """
-import functools
 import json
 import os
 import threading
@@ -154,13 +153,29 @@ def _launch_args(op, device):
         raise ValueError(f"{op}: the tensors are on cuda:{device}, but {_NOT_BUILT}")
     alloc = _allocators.get(device)
     if alloc is None:
-        alloc = _allocators[device] = functools.partial(
-            torch.empty, dtype=torch.uint8, device=torch.device("cuda", device))
+        alloc = _allocators[device] = _allocator(torch.device("cuda", device))
     if _raw_stream is not None:
         stream = _raw_stream(device)
     else:  # pragma: no cover - CUDA tensors without torch's CUDA bindings
         stream = torch.cuda.current_stream(device).cuda_stream
     return {"device": device, "stream": stream, "alloc": alloc}
+
+
+def _allocator(dev):
+    """The ``alloc`` of a _C call on ``dev``: ``alloc(nbytes)`` is a workspace (uint8, on the
+    current stream through torch's caching allocator); ``alloc(nbytes, data)`` is a device
+    copy of ``data`` (a bytearray of nbytes: span tables) on that stream, or None when no
+    pinned memory can be had (the call then runs tensor by tensor). The C side never asks for
+    a copy while the stream is capturing a CUDA graph."""
+    def alloc(nbytes, data=None):
+        if data is None:
+            return torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        try:  # pinned by torch's host allocator, which keeps the buffer until the copy has run
+            host = torch.frombuffer(data, dtype=torch.uint8).pin_memory()
+        except RuntimeError:  # e.g. a locked-memory limit
+            return None
+        return host.to(dev, non_blocking=True)
+    return alloc
 
 
 def _capturing(device):

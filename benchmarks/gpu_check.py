@@ -46,7 +46,7 @@ import warnings
 import torch
 
 import ampx
-from ampx import ops
+from ampx import _C, ops
 
 RESULTS = []
 ROWS = []
@@ -471,7 +471,19 @@ def t_views():
     many = _timed(lambda: ops.unscale_norm_(views, inv, found))
     record("target", "unscale_norm_, one tensor of 10M", one)
     record("target", "unscale_norm_, 10,000 views of it", many)
-    return f"{one / many:.2f} ({one:.3f} / {many:.3f} ms)", one / many >= 0.85
+    # With per-tensor flags, as the scaler asks: span tables on CUDA, against the same call
+    # tensor by tensor (coalescing off: 90 launches of 112 tensors).
+    flags = torch.zeros(len(views), dtype=torch.uint8, device=DEVICE)
+    flagged = _timed(lambda: ops.unscale_norm_(views, inv, found, flags=flags))
+    _C._set_coalesce(False)
+    try:
+        per_tensor = _timed(lambda: ops.unscale_norm_(views, inv, found, flags=flags))
+    finally:
+        _C._set_coalesce(True)
+    record("target", "unscale_norm_ + per-tensor flags, 10,000 views (span tables)", flagged)
+    record("target", "unscale_norm_ + per-tensor flags, 10,000 views, coalescing off", per_tensor)
+    return (f"{one / many:.2f} ({one:.3f} / {many:.3f} ms; with flags {one / flagged:.2f}, "
+            f"{per_tensor:.3f} ms without spans)"), one / many >= 0.85
 
 
 @target("10k x 1k separate: torch / ampx unscale+norm", ">= 3x")
@@ -488,6 +500,28 @@ def t_separate():
     record("target", "ampx unscale_norm_, 10,000 separate", a)
     record("target", "torch unscale + foreach_norm, 10,000 separate", t)
     return f"{t / a:.2f}x ({a:.3f} vs {t:.3f} ms)", t / a >= 3.0
+
+
+def span_table_sweep():
+    """Where CUDA span tables start to pay (csrc/entry_cuda.c uses them when coalescing saves
+    >= 4 launches of 112 tensors; a guess until this runs): unscale_ with per-tensor flags over
+    N views of 1,000 float32, tables forced against coalescing off. Informational."""
+    section("span tables: unscale_ + flags over N views of 1,000 float32, tables forced vs per tensor")
+    inv, found = torch.ones(1, device=DEVICE), torch.zeros(1, device=DEVICE)
+    for count in ((20, 120) if SMOKE else (113, 225, 449, 1009, 4000)):
+        views = list(torch.split(torch.randn(count * 1_000, device=DEVICE), 1_000))
+        flags = torch.zeros(count, dtype=torch.uint8, device=DEVICE)
+        prev = _C._set_span_tables_min_launches(0)
+        try:
+            tables = _timed(lambda: ops.unscale_(views, inv, found, flags=flags))
+            _C._set_coalesce(False)
+            per_tensor = _timed(lambda: ops.unscale_(views, inv, found, flags=flags))
+        finally:
+            _C._set_coalesce(True)
+            _C._set_span_tables_min_launches(prev)
+        record("span tables", f"{count:,} views, span tables", tables)
+        record("span tables", f"{count:,} views, tensor by tensor", per_tensor)
+        log(f"  {count:>6,} views: per tensor / tables = {per_tensor / tables:.2f}")
 
 
 def added_ratio(key, kind):
@@ -581,6 +615,7 @@ def cpu_smoke():
     torch.cuda.synchronize = torch.cuda.empty_cache = lambda *a: None  # this process only
     for fn in (t_views, t_separate, *SHAPE_TARGETS):
         fn()
+    span_table_sweep()
     print_targets("--cpu-smoke: the issue-17 targets' code at small sizes on the CPU (verdicts mean nothing)")
     errors = [t for t in TARGETS if t[3] == "ERROR"]
     return 1 if errors or len(TARGETS) != 2 + len(SHAPE_TARGETS) else 0
@@ -606,6 +641,7 @@ def main():
     t0 = time.time()
     for fn in (t_bandwidth, t_step_small, t_step_large, t_syncs, t_graph, t_views, t_separate, *SHAPE_TARGETS):
         fn()
+    guarded(span_table_sweep)
     print_targets(header)
     if args.json:
         with open(args.json, "w") as f:

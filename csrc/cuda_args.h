@@ -55,6 +55,8 @@ typedef struct {
     uint64_t done;       /* uint32: tensors finished (zeroed with tcount) */
     uint64_t partials;   /* ampx_cu_partial[all chunks of the call] */
     uint64_t pt;         /* double[ntotal]: per-tensor reductions before the final sqrt */
+    uint64_t tflags;     /* uint32[]: flags of the tensors inside span slots, by list index (zeroed
+                          * with tcount), or 0; when set, every slot's src[] is its span table */
     double factor;       /* used when factor_ptr is 0 */
     uint64_t seed, offset; /* stochastic rounding */
     uint64_t rng;        /* casts: const uint64[2] {seed, offset} read on the device; else seed, offset */
@@ -68,7 +70,7 @@ typedef struct {
     uint32_t ntensors;   /* tensor slots used in this launch */
     /* ---- the tensors of this launch ---- */
     uint64_t ptr[AMPX_CU_MAX_TENSORS];   /* data (casts: the destination) */
-    uint64_t src[AMPX_CU_MAX_TENSORS];   /* casts: the source */
+    uint64_t src[AMPX_CU_MAX_TENSORS];   /* casts: the source; scale kernels with tflags: the span table */
     int64_t numel[AMPX_CU_MAX_TENSORS];
     uint32_t first[AMPX_CU_MAX_TENSORS + 1]; /* slot s owns launch chunks [first[s], first[s+1]) */
     uint32_t index[AMPX_CU_MAX_TENSORS];     /* position in the caller's list */
@@ -76,10 +78,27 @@ typedef struct {
     uint8_t src_dtype[AMPX_CU_MAX_TENSORS];  /* casts: of src */
 } ampx_cu_args;
 
-/* The size both compilers must agree on: a 136-byte header, 34 bytes per
+/* The size both compilers must agree on: a 144-byte header, 34 bytes per
  * tensor slot and the last `first` entry, rounded up to 8; under the 4 KB
  * parameter limit of every CUDA driver. */
-#define AMPX_CU_ARGS_SIZE (((136 + AMPX_CU_MAX_TENSORS * 34 + 4) + 7) / 8 * 8)
+#define AMPX_CU_ARGS_SIZE (((144 + AMPX_CU_MAX_TENSORS * 34 + 4) + 7) / 8 * 8)
+
+/* A span table: which tensors of the caller's list a span slot (a run of back-to-back
+ * tensors streamed as one) covers, so that per-tensor flags survive coalescing. In device
+ * memory, 16-byte aligned: the head, then `all` entries: the `search` non-empty tensors in
+ * ascending offset (they tile the span: entry k covers [off[k], off[k+1]) and the last runs
+ * to the span's end), then the empty ones (in no order; their flags are 0). */
+typedef struct {
+    uint32_t search; /* non-empty tensors */
+    uint32_t all;    /* all tensors of the span */
+    uint32_t pad[2];
+} ampx_cu_span_head;
+
+typedef struct {
+    int64_t off;    /* first element, counted from the span's first */
+    uint32_t index; /* position in the caller's list */
+    uint32_t pad;
+} ampx_cu_span_entry;
 
 /* The loss-scale update: one thread. */
 typedef struct {

@@ -46,6 +46,7 @@ typedef struct {
     ampx_cu_result (*GetErrorName)(ampx_cu_result, const char **);
     ampx_cu_result (*GetErrorString)(ampx_cu_result, const char **);
     ampx_cu_result (*FuncLoad)(ampx_cu_function); /* optional (CUDA 12.4+) */
+    ampx_cu_result (*StreamIsCapturing)(ampx_cu_stream, int *); /* optional: absent, capture is assumed */
 } api_t;
 
 /* The exported names (cuda.h maps several API names onto versioned symbols). */
@@ -254,6 +255,7 @@ static int open_library(ampx_cu_error *e)
      * (CUDA_MODULE_LOADING=LAZY, the default since 12.2), so that no kernel is
      * first loaded inside a stream capture. */
     *(void **)(&api.FuncLoad) = dlsym(lib_handle, "cuFuncLoad");
+    *(void **)(&api.StreamIsCapturing) = dlsym(lib_handle, "cuStreamIsCapturing");
     return 0;
 }
 
@@ -548,4 +550,16 @@ int ampx_cu_memset32(ampx_cu_deviceptr p, unsigned value, size_t count, ampx_cu_
     return 0;
 fail:
     return -1;
+}
+
+int ampx_cu_capturing(const ampx_cu_dev *dev, ampx_cu_stream stream)
+{
+    ampx_cu_error err;
+    int status = 1;
+    if (api.StreamIsCapturing == NULL || ampx_cu_push(dev, &err) < 0)
+        return 1;
+    if (api.StreamIsCapturing(stream, &status) != AMPX_CUDA_SUCCESS)
+        status = 1;
+    ampx_cu_pop(&err);
+    return status != AMPX_CU_STREAM_CAPTURE_STATUS_NONE;
 }

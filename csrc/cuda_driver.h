@@ -36,6 +36,7 @@ typedef uint64_t ampx_cu_deviceptr;             /* CUdeviceptr (same size and pa
 #define AMPX_CUDA_ERROR_NOT_INITIALIZED 3
 #define AMPX_CUDA_ERROR_NO_BINARY_FOR_GPU 209
 #define AMPX_CU_STREAM_NON_BLOCKING 1
+#define AMPX_CU_STREAM_CAPTURE_STATUS_NONE 0
 
 /* A kernel fault (often not ampx's: a torch index out of range, a freed tensor) poisons the
  * context, and the next driver call of anyone reports it. */
@@ -166,13 +167,16 @@ int ampx_cu_pop(ampx_cu_error *err);
 
 int ampx_cu_launch(ampx_cu_function f, unsigned grid, unsigned block, ampx_cu_stream stream, void *args,
                    const char *what, ampx_cu_error *err);
+/* Whether `stream` of dev may be capturing a CUDA graph: 1 when it is, and when the driver
+ * cannot say (no cuStreamIsCapturing, or it failed); 0 when it is not. */
+int ampx_cu_capturing(const ampx_cu_dev *dev, ampx_cu_stream stream);
 int ampx_cu_memset32(ampx_cu_deviceptr p, unsigned value, size_t count, ampx_cu_stream stream,
                      ampx_cu_error *err);
 
 /* ---- the multi-tensor launcher (cuda_launch.c), written once for every op ---- */
 
 /* One tensor as the launcher sees it: contiguous device memory. */
-typedef struct {
+typedef struct ampx_cu_tensor_s {
     ampx_cu_deviceptr ptr; /* data; casts: the destination */
     ampx_cu_deviceptr src; /* casts: the source */
     int64_t numel;
@@ -188,6 +192,8 @@ typedef struct {
     ampx_cu_deviceptr rng; /* casts: {seed, offset} on the device (a CUDA graph replays its current value), or 0 */
     double factor;
     ampx_cu_deviceptr factor_ptr, found_inf, flags_out, per_out, total_out;
+    int64_t nflags; /* scale jobs over span slots with flags_out: the tensors of the caller's list
+                     * (each slot's src is then its span table, ampx_cu_span_tables); else 0 */
 } ampx_cu_job;
 
 /* The launcher's state across one call: launches fill one parameter block
@@ -200,6 +206,19 @@ typedef struct {
     uint32_t chunk_next; /* call-wide index of the next chunk */
     ampx_cu_args args;
 } ampx_cu_launcher;
+
+/* Span tables (cuda_args.h) for the spans[0..m) that ampx_coalesce made of ts[0..n) (their
+ * device pointers as ptr): ampx_cu_span_tables_bytes(n, m) bytes at `host` (16-byte aligned),
+ * span s's table at host + off[s]. Pure C; the caller copies them to the device. */
+struct ampx_tensor_s;
+int64_t ampx_cu_span_tables_bytes(int64_t n, int64_t m);
+int ampx_cu_span_tables(const struct ampx_tensor_s *ts, const struct ampx_tensor_s *spans, const int64_t *first,
+                        int64_t m, void *host, int64_t *off);
+/* The launcher's entries for spans[0..m), numbered 0..m-1; with tables (their device
+ * address, 0 for none) each entry's src is its span's table, tables + off[s]. */
+struct ampx_cu_tensor_s;
+void ampx_cu_span_slots(const struct ampx_tensor_s *spans, int64_t m, ampx_cu_deviceptr tables, const int64_t *off,
+                        struct ampx_cu_tensor_s *out);
 
 /* Workspace bytes a job needs for these tensors (0: none), and its chunk
  * count (for ampx_cu_begin). -1 when the chunks do not fit the launcher's

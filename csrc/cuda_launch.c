@@ -11,16 +11,24 @@
  *
  * Workspace (only when per-tensor flags, per-tensor reductions or the total
  * are wanted), at ws:
- *   uint32 tcount[n], uint32 done      zeroed by one memset before the launches
+ *   uint32 tflags[nflags] (pad to 16)  span slots only (job->nflags): their tensors' flags
+ *   uint32 tcount[n], uint32 done      zeroed, with tflags, by one memset before the launches
  *   (pad to 16) ampx_cu_partial[P]     one per chunk of the call (P chunks)
  *   double pt[n]                       per-tensor reductions, for the total
  * Every tensor then has at least one chunk (an empty one has one of length 0),
  * so every tensor's outputs are written.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "ampx_numerics.h"
 #include "cuda_driver.h"
+#include "multi_tensor.h"
+
+/* The layout nvcc asserts too (cuda/ampx_kernels.cu): the C side's must be the same. */
+AMPX_STATIC_ASSERT(sizeof(ampx_cu_args) == AMPX_CU_ARGS_SIZE && sizeof(ampx_cu_args) <= 4096,
+                   "kernel argument layout");
+AMPX_STATIC_ASSERT(sizeof(ampx_cu_span_head) == 16 && sizeof(ampx_cu_span_entry) == 16, "span table layout");
 
 static int64_t chunks_of(int64_t numel, int with_ws)
 {
@@ -35,6 +43,9 @@ static int wants_ws(const ampx_cu_job *job)
 
 static int64_t align16(int64_t b) { return (b + 15) & ~(int64_t)15; }
 
+/* The workspace's leading tflags words, rounded up to 16 bytes. */
+static int64_t tflags_bytes(const ampx_cu_job *job) { return job->nflags > 0 ? align16(4 * job->nflags) : 0; }
+
 int64_t ampx_cu_workspace_bytes(const ampx_cu_job *job, const ampx_cu_tensor *ts, int64_t n, int64_t *chunks)
 {
     *chunks = 0;
@@ -47,7 +58,64 @@ int64_t ampx_cu_workspace_bytes(const ampx_cu_job *job, const ampx_cu_tensor *ts
             return -1;
     }
     *chunks = c;
-    return align16(4 * (n + 1)) + 16 * c + 8 * n;
+    return tflags_bytes(job) + align16(4 * (n + 1)) + 16 * c + 8 * n;
+}
+
+/* ---- span tables ---- */
+
+int64_t ampx_cu_span_tables_bytes(int64_t n, int64_t m)
+{
+    return (int64_t)sizeof(ampx_cu_span_head) * m + (int64_t)sizeof(ampx_cu_span_entry) * n;
+}
+
+static int entry_cmp(const void *a, const void *b)
+{
+    int64_t x = ((const ampx_cu_span_entry *)a)->off, y = ((const ampx_cu_span_entry *)b)->off;
+    return x < y ? -1 : x > y;
+}
+
+int ampx_cu_span_tables(const ampx_tensor *ts, const ampx_tensor *spans, const int64_t *first, int64_t m,
+                        void *host, int64_t *off)
+{
+    char *at = (char *)host;
+    for (int64_t s = 0; s < m; s++) {
+        ampx_cu_span_head *h = (ampx_cu_span_head *)at;
+        ampx_cu_span_entry *e = (ampx_cu_span_entry *)(h + 1);
+        const int64_t count = first[s + 1] - first[s];
+        if (count > (int64_t)UINT32_MAX)
+            return -1;
+        const int64_t es = ampx_elem_size(spans[s].dtype);
+        uint32_t k = 0, empties = 0;
+        for (int64_t i = first[s]; i < first[s + 1]; i++) {
+            const ampx_tensor *t = &ts[i];
+            /* empties go last, from the end of the table backwards */
+            ampx_cu_span_entry *d = t->numel > 0 ? &e[k++] : &e[count - 1 - empties++];
+            memset(d, 0, sizeof *d);
+            d->off = t->numel > 0 ? (int64_t)(t->ptr - spans[s].ptr) / es : 0;
+            d->index = t->index;
+        }
+        /* in list order a span grows at either end (ampx_coalesce): order by offset */
+        qsort(e, k, sizeof *e, entry_cmp);
+        memset(h, 0, sizeof *h);
+        h->search = k;
+        h->all = (uint32_t)count;
+        off[s] = (int64_t)(at - (char *)host);
+        at += sizeof *h + (size_t)count * sizeof *e;
+    }
+    return 0;
+}
+
+void ampx_cu_span_slots(const ampx_tensor *spans, int64_t m, ampx_cu_deviceptr tables, const int64_t *off,
+                        ampx_cu_tensor *out)
+{
+    for (int64_t s = 0; s < m; s++) {
+        memset(&out[s], 0, sizeof out[s]);
+        out[s].ptr = (ampx_cu_deviceptr)(uintptr_t)spans[s].ptr;
+        out[s].numel = spans[s].numel;
+        out[s].dtype = spans[s].dtype;
+        out[s].index = (uint32_t)s;
+        out[s].src = tables != 0 ? tables + (ampx_cu_deviceptr)off[s] : 0;
+    }
 }
 
 static ampx_cu_function pick(const ampx_cu_dev *dev, const ampx_cu_job *job)
@@ -106,13 +174,15 @@ int ampx_cu_begin(ampx_cu_launcher *L, const ampx_cu_dev *dev, ampx_cu_stream st
             rc = -1;
         return rc;
     }
-    a->tcount = ws;
-    a->done = ws + 4 * (ampx_cu_deviceptr)n;
-    a->partials = ws + (ampx_cu_deviceptr)align16(4 * (n + 1));
+    const int64_t lead = tflags_bytes(job);
+    a->tflags = lead > 0 && a->flags_out != 0 ? ws : 0;
+    a->tcount = ws + (ampx_cu_deviceptr)lead;
+    a->done = a->tcount + 4 * (ampx_cu_deviceptr)n;
+    a->partials = a->tcount + (ampx_cu_deviceptr)align16(4 * (n + 1));
     a->pt = a->partials + 16 * (ampx_cu_deviceptr)chunks;
     if (ampx_cu_push(dev, err) < 0)
         return -1;
-    int rc = ampx_cu_memset32(ws, 0u, (size_t)n + 1u, stream, err);
+    int rc = ampx_cu_memset32(ws, 0u, (size_t)(lead / 4 + n + 1), stream, err);
     ampx_cu_error ignored;
     if (ampx_cu_pop(rc < 0 ? &ignored : err) < 0 && rc == 0)
         rc = -1;

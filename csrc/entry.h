@@ -74,6 +74,9 @@ typedef struct {
 
 /* The split the last CPU scale_reduce used (AMPX_SPLIT_*; tests). */
 extern int ampx_last_split;
+/* CUDA: span tables (per-tensor flags of coalesced views) are used when merging saves at least
+ * this many launches (settable: _C._set_span_tables_min_launches; benchmarks). */
+extern int64_t ampx_cu_span_tables_min_launches;
 
 /* The runners: 0, or -1 with an exception set. */
 int cpu_scale_reduce(mstate *st, entry_call *c);

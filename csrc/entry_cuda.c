@@ -45,22 +45,26 @@ static const ampx_cu_dev *device_nogil(int ordinal, ampx_cu_error *err)
     return dev;
 }
 
-/* Calls alloc(bytes) (a torch.empty on the device) and keeps the tensor in
- * *keep (a new reference the caller drops after the launches). */
-static int cuda_workspace(mstate *st, const char *op, PyObject *alloc, int64_t bytes, PyObject **keep,
-                          ampx_cu_deviceptr *ptr)
+/* Calls alloc(bytes) (a torch.empty on the device), or alloc(bytes, data) (a device copy of
+ * the bytearray data), and keeps the tensor in *keep (a new reference the caller drops after
+ * the launches) with its data pointer, which must be 16-byte aligned, in *ptr. Returns 1, 0
+ * when alloc returned None (it may, given data), -1 with an exception. */
+static int device_alloc(mstate *st, const char *op, const char *what, PyObject *alloc, int64_t bytes,
+                        PyObject *data, PyObject **keep, ampx_cu_deviceptr *ptr)
 {
     *keep = NULL;
     *ptr = 0;
-    if (bytes == 0)
-        return 0;
     PyObject *n = PyLong_FromLongLong((long long)bytes);
     if (n == NULL)
         return -1;
-    PyObject *t = PyObject_CallFunctionObjArgs(alloc, n, NULL);
+    PyObject *t = PyObject_CallFunctionObjArgs(alloc, n, data, NULL);
     Py_DECREF(n);
     if (t == NULL)
         return -1;
+    if (t == Py_None && data != NULL) {
+        Py_DECREF(t);
+        return 0;
+    }
     char *p = NULL;
     if (get_data_ptr(st, t, &p) < 0) {
         Py_DECREF(t);
@@ -68,57 +72,23 @@ static int cuda_workspace(mstate *st, const char *op, PyObject *alloc, int64_t b
     }
     if (((uintptr_t)p & 15u) != 0) {
         Py_DECREF(t);
-        PyErr_Format(PyExc_RuntimeError, "%s: the workspace allocation is not 16-byte aligned", op);
+        PyErr_Format(PyExc_RuntimeError, "%s: the %s allocation is not 16-byte aligned", op, what);
         return -1;
     }
     *keep = t;
     *ptr = dptr(p);
-    return 0;
+    return 1;
 }
 
-/* The launcher's view of a gathered list (malloc'd; the caller frees it), n
- * entries. With `spans`, runs of back-to-back tensors become one entry each
- * (ampx_coalesce), numbered 0..n-1: only for calls that want no per-tensor
- * output and have no aliasing. */
-static ampx_cu_tensor *cuda_tensors(const tlist *L, int spans, Py_ssize_t *n)
+/* The call's workspace (none when bytes is 0): see device_alloc. */
+static int cuda_workspace(mstate *st, const char *op, PyObject *alloc, int64_t bytes, PyObject **keep,
+                          ampx_cu_deviceptr *ptr)
 {
-    ampx_cu_tensor *c = (ampx_cu_tensor *)calloc(L->n > 0 ? (size_t)L->n : 1u, sizeof *c);
-    ampx_tensor *sp = NULL;
-    int64_t *first = NULL;
-    if (c == NULL || (spans && ((sp = (ampx_tensor *)malloc((size_t)L->n * sizeof *sp)) == NULL ||
-                                (first = (int64_t *)malloc(((size_t)L->n + 1u) * sizeof *first)) == NULL))) {
-        free(c);
-        free(sp);
-        PyErr_NoMemory();
-        return NULL;
-    }
-    *n = L->n;
-    if (spans) {
-        int64_t m = 0;
-        ampx_coalesce(L->ts, L->n, sp, first, &m);
-        spans = m > 0; /* only empty tensors: as they are */
-        for (int64_t k = 0; k < m; k++) {
-            c[k].ptr = dptr(sp[k].ptr);
-            c[k].numel = sp[k].numel;
-            c[k].dtype = sp[k].dtype;
-            c[k].index = (uint32_t)k;
-        }
-        free(sp);
-        free(first);
-        if (spans) {
-            *n = (Py_ssize_t)m;
-            return c;
-        }
-    }
-    for (Py_ssize_t i = 0; i < L->n; i++) {
-        c[i].ptr = dptr(L->ts[i].ptr);
-        c[i].src = dptr(L->ts[i].src);
-        c[i].numel = L->ts[i].numel;
-        c[i].dtype = L->ts[i].dtype;
-        c[i].src_dtype = L->ts[i].src_dtype;
-        c[i].index = L->ts[i].index;
-    }
-    return c;
+    *keep = NULL;
+    *ptr = 0;
+    if (bytes == 0)
+        return 0;
+    return device_alloc(st, op, "workspace", alloc, bytes, NULL, keep, ptr) < 0 ? -1 : 0;
 }
 
 /* What a CUDA data call holds between its preparation and its return. */
@@ -129,6 +99,7 @@ typedef struct {
     int64_t chunks;
     PyObject *ws_keep;    /* owned: the workspace tensor, or NULL */
     ampx_cu_deviceptr ws;
+    PyObject *tab_keep;   /* owned: the span tables' device tensor, or NULL */
     ampx_cu_launcher *Lc; /* owned: the sequential path's launcher, or NULL */
 } cuda_run;
 
@@ -137,19 +108,123 @@ static void cuda_run_free(cuda_run *r)
     free(r->Lc);
     free(r->cts);
     Py_XDECREF(r->ws_keep);
+    Py_XDECREF(r->tab_keep);
+}
+
+/* How cuda_tensors may merge a list: not at all, into spans (nothing per tensor wanted),
+ * or into spans with span tables (per-tensor flags wanted). */
+#define SPANS_NONE 0
+#define SPANS_PLAIN 1
+#define SPANS_FLAGS 2
+
+/* Span tables cost a host-to-device copy from pinned memory (some tens of microseconds of
+ * host time, to be measured on a GPU: benchmarks/gpu_check.py), so they are used only when
+ * coalescing saves at least this many launches. */
+int64_t ampx_cu_span_tables_min_launches = 4;
+
+static int64_t launches_for(int64_t entries)
+{
+    return (entries + AMPX_CU_MAX_TENSORS - 1) / AMPX_CU_MAX_TENSORS;
+}
+
+/* Builds the span tables of spans[0..m) (ampx_cu_span_tables) and hands them to the device
+ * through the call's alloc(nbytes, data) (a stream-ordered copy from pinned memory; None:
+ * run tensor by tensor). Returns 1 with r->tab_keep and *tab set and the tables' offsets in
+ * off, 0 when the call should run tensor by tensor, -1 with an exception. */
+static int upload_span_tables(mstate *st, const entry_site *at, const tlist *L, const ampx_tensor *sp,
+                              const int64_t *first, int64_t m, int64_t *off, cuda_run *r, ampx_cu_deviceptr *tab)
+{
+    int64_t bytes = ampx_cu_span_tables_bytes(L->n, m);
+    PyObject *host = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)bytes);
+    if (host == NULL)
+        return -1;
+    char *h = PyByteArray_AsString(host);
+    if (h == NULL || ampx_cu_span_tables(L->ts, sp, first, m, h, off) < 0) {
+        Py_DECREF(host);
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    int rc = device_alloc(st, at->op, "span tables'", at->alloc, bytes, host, &r->tab_keep, tab);
+    Py_DECREF(host);
+    return rc;
+}
+
+/* Merges L into spans (ampx_coalesce) as `spans` allows and it pays; fills r->cts and
+ * r->n with the spans, sets job->nflags when they carry span tables. Returns 1 when it
+ * did, 0 when the call should run tensor by tensor, -1 with an exception. */
+static int cuda_spans(mstate *st, const entry_site *at, ampx_cu_job *job, const tlist *L, int spans, cuda_run *r)
+{
+    ampx_tensor *sp = (ampx_tensor *)malloc((size_t)L->n * sizeof *sp);
+    int64_t *first = (int64_t *)malloc(((size_t)L->n + 1u) * sizeof *first);
+    int64_t *off = (int64_t *)malloc(((size_t)L->n + 1u) * sizeof *off);
+    int rc = -1;
+    if (sp == NULL || first == NULL || off == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t m = 0;
+    ampx_coalesce(L->ts, L->n, sp, first, &m);
+    rc = 0;
+    if (m == 0) /* only empty tensors: as they are */
+        goto done;
+    ampx_cu_deviceptr tab = 0;
+    if (spans == SPANS_FLAGS) {
+        /* Not inside a graph capture: its replays would copy whatever the pinned buffer then held. */
+        if (launches_for(L->n) - launches_for(m) < ampx_cu_span_tables_min_launches ||
+            ampx_cu_capturing(r->dev, (ampx_cu_stream)(uintptr_t)at->stream))
+            goto done;
+        if ((rc = upload_span_tables(st, at, L, sp, first, m, off, r, &tab)) <= 0)
+            goto done;
+        job->nflags = L->n;
+    }
+    ampx_cu_span_slots(sp, m, tab, off, r->cts);
+    r->n = (Py_ssize_t)m;
+    ampx_last_spans = m;
+    rc = 1;
+done:
+    free(sp);
+    free(first);
+    free(off);
+    return rc;
+}
+
+/* The launcher's view of a gathered list in r->cts (r->n entries): spans when `spans`
+ * allows and cuda_spans finds it pays, else one entry per tensor. */
+static int cuda_tensors(mstate *st, const entry_site *at, ampx_cu_job *job, const tlist *L, int spans, cuda_run *r)
+{
+    ampx_cu_tensor *c = (ampx_cu_tensor *)calloc(L->n > 0 ? (size_t)L->n : 1u, sizeof *c);
+    if (c == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    r->cts = c;
+    r->n = L->n;
+    if (spans != SPANS_NONE && L->n >= 2) {
+        int rc = cuda_spans(st, at, job, L, spans, r);
+        if (rc != 0)
+            return rc < 0 ? -1 : 0;
+    }
+    for (Py_ssize_t i = 0; i < L->n; i++) {
+        c[i].ptr = dptr(L->ts[i].ptr);
+        c[i].src = dptr(L->ts[i].src);
+        c[i].numel = L->ts[i].numel;
+        c[i].dtype = L->ts[i].dtype;
+        c[i].src_dtype = L->ts[i].src_dtype;
+        c[i].index = L->ts[i].index;
+    }
+    return 0;
 }
 
 /* What every CUDA data call needs before its launches: the device (its module
  * loaded), the tensors in the launcher's form, and a workspace from torch's
  * allocator sized for them. */
-static int cuda_prepare(mstate *st, const entry_site *at, const ampx_cu_job *job, const tlist *L, int spans,
+static int cuda_prepare(mstate *st, const entry_site *at, ampx_cu_job *job, const tlist *L, int spans,
                         cuda_run *r)
 {
     memset(r, 0, sizeof *r);
     ampx_cu_error err;
     if ((r->dev = device_nogil(at->device, &err)) == NULL)
         return cu_raise(at->op, &err);
-    if ((r->cts = cuda_tensors(L, spans, &r->n)) == NULL)
+    if (cuda_tensors(st, at, job, L, spans, r) < 0)
         return -1;
     int64_t bytes = ampx_cu_workspace_bytes(job, r->cts, r->n, &r->chunks);
     if (bytes < 0) {
@@ -220,9 +295,13 @@ int cuda_scale_reduce(mstate *st, entry_call *c)
     if (!(c->mode & AMPX_M_CHECK))
         job.found_inf = job.flags_out = 0;
 
-    /* Spans when nothing per tensor is wanted and nothing aliases (ampx_coalesce). */
-    int spans = ampx_coalesce_on && !c->sequential && job.per_out == 0 && job.flags_out == 0;
+    /* Spans when no per-tensor reduction is wanted and nothing aliases (ampx_coalesce);
+     * per-tensor flags then come through span tables. */
+    int spans = !ampx_coalesce_on || c->sequential || job.per_out != 0 ? SPANS_NONE
+                : job.flags_out != 0                                  ? SPANS_FLAGS
+                                                                      : SPANS_PLAIN;
     cuda_run r;
+    ampx_last_spans = -1;
     int rc = cuda_prepare(st, &c->at, &job, &c->L, spans, &r);
     if (rc == 0 && !c->sequential) {
         rc = cuda_run_batched(&c->at, &job, &r, r.n);

@@ -148,6 +148,15 @@ static PyObject *py_set_split_max_bytes(PyObject *module, PyObject *args)
     return swap_count(args, "L:set_split_max_bytes", "set_split_max_bytes: the limit", &ampx_split_max_bytes);
 }
 
+/* _set_span_tables_min_launches(n) -> previous n: CUDA span tables only when they save n
+ * launches or more (entry_cuda.c; benchmarks). */
+static PyObject *py_set_span_tables_min_launches(PyObject *module, PyObject *args)
+{
+    (void)module;
+    return swap_count(args, "L:_set_span_tables_min_launches", "_set_span_tables_min_launches: the count",
+                      &ampx_cu_span_tables_min_launches);
+}
+
 /* _set_coalesce(on) -> previous: whether back-to-back tensors run as one span (tests, benchmarks). */
 static PyObject *py_set_coalesce(PyObject *module, PyObject *args)
 {
@@ -186,7 +195,7 @@ static PyObject *py_torch_part(PyObject *module, PyObject *args)
     return Py_BuildValue("(LL)", (long long)b, (long long)e);
 }
 
-/* _last_spans() -> the spans the last CPU scale_reduce ran, or -1 if it ran per tensor (tests). */
+/* _last_spans() -> the spans the last scale_reduce (CPU or CUDA) ran, or -1 if it ran per tensor (tests). */
 static PyObject *py_last_spans(PyObject *module, PyObject *unused)
 {
     (void)module;
@@ -225,7 +234,9 @@ static PyMethodDef methods[] = {
     {"_set_coalesce", py_set_coalesce, METH_VARARGS, "Turns coalescing of back-to-back tensors on or off (tests)."},
     {"_torch_part", py_torch_part, METH_VARARGS, "Thread t's part of a tensor under a split as torch's (tests)."},
     {"_last_split", py_last_split, METH_NOARGS, "Split of the last CPU scale_reduce: 0 dynamic, 1/2 as torch (tests)."},
-    {"_last_spans", py_last_spans, METH_NOARGS, "Spans of the last CPU scale_reduce, -1 if per tensor (tests)."},
+    {"_last_spans", py_last_spans, METH_NOARGS, "Spans of the last scale_reduce, -1 if per tensor (tests)."},
+    {"_set_span_tables_min_launches", py_set_span_tables_min_launches, METH_VARARGS,
+     "CUDA: use span tables only when coalescing saves at least n launches; returns the previous n."},
     {"set_split_max_bytes", py_set_split_max_bytes, METH_VARARGS,
      "set_split_max_bytes(n) -> previous n: above n bytes (default 16 MiB) a call's threads share its tensors "
      "dynamically, not as torch's next kernel will (0: never as torch)."},

@@ -26,11 +26,11 @@
 
 extern int64_t ampx_parallel_min; /* settable by tests */
 extern int ampx_coalesce_on;       /* 1: runs of back-to-back tensors become spans (ampx_coalesce) */
-extern int64_t ampx_last_spans;    /* spans of the last coalesced CPU call, -1 if it ran per tensor (tests) */
+extern int64_t ampx_last_spans;    /* spans of the last coalesced call (CPU or CUDA), -1 if it ran per tensor (tests) */
 extern int64_t ampx_split_max_bytes; /* torch's split only up to this many bytes a call (settable) */
 
 /* One tensor as the kernels see it: contiguous memory of numel elements. */
-typedef struct {
+typedef struct ampx_tensor_s {
     char *ptr;       /* data; for casts the destination */
     const char *src; /* casts only: the source */
     int64_t numel;
@@ -102,8 +102,10 @@ int ampx_run(const ampx_job *job, const ampx_tensor *ts, int64_t n, int nthreads
  * span. A span's index is that of its first tensor. The caller gives room
  * for n spans and n + 1 firsts, and must not pass overlapping tensors (whose
  * result would depend on the order of the work) or casts (whose stochastic
- * rounding is keyed by tensor): only scale/check/reduce jobs whose results
- * are wanted for the whole list, not per tensor, may run on spans. Pure C. */
+ * rounding is keyed by tensor): only scale/check/reduce jobs whose reductions
+ * are wanted for the whole list, not per tensor, may run on spans; per-tensor
+ * flags are recovered afterwards (entry_cpu.c) or through span tables
+ * (cuda_launch.c). Pure C (coalesce.c). */
 void ampx_coalesce(const ampx_tensor *ts, int64_t n, ampx_tensor *spans, int64_t *first, int64_t *nspans);
 
 /* Combines partial b into a (in that order) for reduction kind `reduce`. */

@@ -22,6 +22,13 @@
  * done; the block that finishes the last tensor sums the per-tensor values
  * (fixed order) into the total. No host synchronisation anywhere.
  *
+ * Span slots (tflags set): each slot is a run of back-to-back tensors streamed as
+ * one, with a span table (cuda_args.h) saying which tensors it covers. A thread
+ * that met an inf/NaN input reads its elements again, looks each non-finite
+ * one's tensor up there and sets that tensor's bit in tflags (note_elements);
+ * the block that finishes the span copies the span's tensors' flags into
+ * flags_out. Reductions and found_inf stay per slot.
+ *
  * The scalar numerics (conversions, stochastic rounding bits, the scale
  * update rule) are csrc/ampx_numerics.h, shared with the CPU kernels.
  */
@@ -48,6 +55,7 @@ static_assert(AMPX_CUDA_SUCCESS == CUDA_SUCCESS, "driver constant");
 static_assert(AMPX_CUDA_ERROR_NO_BINARY_FOR_GPU == CUDA_ERROR_NO_BINARY_FOR_GPU, "driver constant");
 static_assert(AMPX_CUDA_ERROR_NOT_INITIALIZED == CUDA_ERROR_NOT_INITIALIZED, "driver constant");
 static_assert(AMPX_CU_STREAM_NON_BLOCKING == CU_STREAM_NON_BLOCKING, "driver constant");
+static_assert(AMPX_CU_STREAM_CAPTURE_STATUS_NONE == CU_STREAM_CAPTURE_STATUS_NONE, "driver constant");
 #define AMPX_X_CHECK_HINT(code, cu_name, text) static_assert(code == cu_name, "driver error code " #cu_name);
 AMPX_CU_ERROR_HINTS(AMPX_X_CHECK_HINT)
 #undef AMPX_X_CHECK_HINT
@@ -364,8 +372,19 @@ __device__ __forceinline__ void run_chunks(const ampx_cu_args &a, int rd, Body &
             }
         }
         if (finisher) {
+            if (a.flags_out && a.tflags) {
+                /* a span: its tensors' flags, as its chunks noted them (each fenced before
+                 * its chunk was counted, and this block fenced after the count) */
+                const ampx_cu_span_head *h = reinterpret_cast<const ampx_cu_span_head *>(a.src[slot]);
+                const ampx_cu_span_entry *ent = reinterpret_cast<const ampx_cu_span_entry *>(h + 1);
+                const unsigned *tf = reinterpret_cast<const unsigned *>(a.tflags);
+                for (uint32_t k = tid; k < h->all; k += BLOCK) {
+                    const uint32_t ti = ent[k].index;
+                    reinterpret_cast<uint8_t *>(a.flags_out)[ti] = (uint8_t)__ldcg(&tf[ti]);
+                }
+            }
             if (tid == 0) {
-                if (a.flags_out)
+                if (a.flags_out && !a.tflags)
                     reinterpret_cast<uint8_t *>(a.flags_out)[idx] = (uint8_t)r.flags;
                 if (a.per_out)
                     reinterpret_cast<float *>(a.per_out)[idx] = (float)finish(r.acc, rd);
@@ -398,9 +417,73 @@ __device__ __forceinline__ void run_chunks(const ampx_cu_args &a, int rd, Body &
 
 /* ---- scale / check / reduce ------------------------------------------------ */
 
-/* One chunk of a DT tensor: multiply (SC), store (WR), classify, reduce (RD). */
+/* ---- per-tensor flags inside span slots (tflags set) ----------------------------------
+ * The streaming loop below is the same with or without span tables: a thread only learns
+ * there whether any of its elements was non-finite (its part's flags). One that was then
+ * reads its own elements of the chunk again (note_elements) and notes each non-finite one
+ * under its tensor in the span table. Rare (overflow steps), and out of the loop, so the
+ * loop keeps its registers. The second read sees the values as stored; they are non-finite
+ * exactly where the inputs were, and of the same kind, when the factor is finite, non-zero
+ * and at most 1 in magnitude (nothing finite overflows, no inf meets a zero). With another
+ * factor a writing kernel notes before it writes instead: every thread reads its elements
+ * first (scale < 1 only, so the extra read is rare too). */
+
+/* Sets `bits` in tflags for the tensor holding element o of the span (an offset from the
+ * span's first element). The word is read before the atomic, so a tensor full of NaN costs
+ * one atomic per bit, not one per element. */
+__device__ __forceinline__ void span_note(const ampx_cu_args &a, int slot, int64_t o, unsigned bits)
+{
+    const ampx_cu_span_head *head = reinterpret_cast<const ampx_cu_span_head *>(a.src[slot]);
+    const ampx_cu_span_entry *ent = reinterpret_cast<const ampx_cu_span_entry *>(head + 1);
+    int l = 0, r = (int)head->search - 1; /* the last entry starting at or before o */
+    while (l < r) {
+        const int mid = (l + r + 1) >> 1;
+        if (ent[mid].off <= o)
+            l = mid;
+        else
+            r = mid - 1;
+    }
+    unsigned *w = reinterpret_cast<unsigned *>(a.tflags) + ent[l].index;
+    if ((__ldcg(w) & bits) != bits) {
+        atomicOr(w, bits);
+        __threadfence(); /* before this block counts the chunk done */
+    }
+}
+
+/* Notes the non-finite values among this thread's elements of a chunk of len elements at p
+ * (the loop's ownership: vectors tid, tid + BLOCK, ..., and the tail for its owner). */
+template <int DT>
+__device__ __forceinline__ void note_elements(const ampx_cu_args &a, int slot, const char *p, int64_t len)
+{
+    constexpr int W = 16 / dt_info<DT>::size;
+    const int tid = threadIdx.x;
+    const int64_t nvec = len / W;
+    const int64_t base = (int64_t)(p - reinterpret_cast<const char *>(a.ptr[slot])) / dt_info<DT>::size;
+    auto one = [&](int64_t e) {
+        const float x = (float)sload<DT>(const_cast<char *>(p), e);
+        const double xd = DT == AMPX_F64 ? (double)sload<DT>(const_cast<char *>(p), e) : (double)x;
+        if (isnan(xd) || isinf(xd))
+            span_note(a, slot, base + e, isnan(xd) ? AMPX_FLAG_NAN : AMPX_FLAG_INF);
+    };
+    for (int64_t v = tid; v < nvec; v += BLOCK)
+        for (int k = 0; k < W; k++)
+            one(v * W + k);
+    if (tid == (int)(nvec % BLOCK))
+        for (int64_t e = nvec * W; e < len; e++)
+            one(e);
+}
+
+/* Whether stored values are non-finite exactly where, and as, their inputs were. */
+__device__ __forceinline__ bool keeps_nonfinite(float fs, double fd)
+{
+    return fs != 0.0f && fabsf(fs) <= 1.0f && fd != 0.0 && fabs(fd) <= 1.0;
+}
+
+/* One chunk of a DT tensor: multiply (SC), store (WR), classify, reduce (RD);
+ * in a span slot of `a`, non-finite inputs are noted by tensor (span_note). */
 template <int DT, int RD, bool WR, bool SC>
-__device__ __forceinline__ part_t scale_chunk(char *p, int64_t len, float fs, double fd)
+__device__ __forceinline__ part_t scale_chunk(const ampx_cu_args &a, int slot, char *p, int64_t len, float fs,
+                                              double fd)
 {
     typedef typename dt_info<DT>::compute T;
     constexpr int W = 16 / dt_info<DT>::size;
@@ -409,6 +492,10 @@ __device__ __forceinline__ part_t scale_chunk(char *p, int64_t len, float fs, do
     accum<RD, T> st;
     const int tid = threadIdx.x;
     const int64_t nvec = len / W;
+    /* span slots: note before writing when the stored values would not show the inputs */
+    const bool noting = a.tflags != 0, before = noting && WR && !keeps_nonfinite(fs, fd);
+    if (before)
+        note_elements<DT>(a, slot, p, len);
 
     auto element = [&](T x) -> T {
         st.input(x);
@@ -473,7 +560,10 @@ __device__ __forceinline__ part_t scale_chunk(char *p, int64_t len, float fs, do
                 sstore<DT>(p, e, y);
         }
     }
-    return st.result();
+    const part_t r = st.result();
+    if (noting && !before && r.flags != 0u)
+        note_elements<DT>(a, slot, p, len);
+    return r;
 }
 
 /* The launch's arguments and its factor: read from device memory when the caller passed a
@@ -503,13 +593,13 @@ struct scale_body : with_factor {
         char *base = reinterpret_cast<char *>(a.ptr[slot]);
         switch (dt) {
         case AMPX_F32:
-            return scale_chunk<AMPX_F32, RD, WR, SC>(base + start * AMPX_SIZE_F32, len, fs, fd);
+            return scale_chunk<AMPX_F32, RD, WR, SC>(a, slot, base + start * AMPX_SIZE_F32, len, fs, fd);
         case AMPX_F16:
-            return scale_chunk<AMPX_F16, RD, WR, SC>(base + start * AMPX_SIZE_F16, len, fs, fd);
+            return scale_chunk<AMPX_F16, RD, WR, SC>(a, slot, base + start * AMPX_SIZE_F16, len, fs, fd);
         case AMPX_BF16:
-            return scale_chunk<AMPX_BF16, RD, WR, SC>(base + start * AMPX_SIZE_BF16, len, fs, fd);
+            return scale_chunk<AMPX_BF16, RD, WR, SC>(a, slot, base + start * AMPX_SIZE_BF16, len, fs, fd);
         default:
-            return scale_chunk<AMPX_F64, RD, WR, SC>(base + start * AMPX_SIZE_F64, len, fs, fd);
+            return scale_chunk<AMPX_F64, RD, WR, SC>(a, slot, base + start * AMPX_SIZE_F64, len, fs, fd);
         }
     }
 };

@@ -33,6 +33,7 @@ using std::isnan;
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 #define __grid_constant__
 #define __shared__ static
@@ -110,6 +111,7 @@ inline unsigned __reduce_or_sync(unsigned mask, unsigned v)
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 inline unsigned atomicAdd(unsigned *p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline unsigned atomicOr(unsigned *p, unsigned v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }
 
 template <typename T>
 inline T __ldcg(const T *p)

@@ -8,7 +8,9 @@
  *          is written back. "Device pointers" are offsets into it.
  *   JOB    text:
  *     scale   reduce write scale factor factor_off found_off flags_off per_off total_off
- *             sequential grid_cap n
+ *             sequential grid_cap n spans
+ *             (spans 1: back-to-back tensors become span slots, as csrc/entry_cuda.c makes
+ *             them, with span tables when flags are wanted)
  *     cast    stochastic seed offset rng_off factor factor_off found_off flags_off grid_cap n
  *             (rng_off: {seed, offset} as two uint64 in the arena, read by the kernel; -1: none)
  *     update  scale_off tracker_off hyst_off found_off events_off growth backoff interval
@@ -28,6 +30,9 @@
 
 #include "cuda_driver.h"
 #include "emulate.h"
+extern "C" {
+#include "multi_tensor.h"
+}
 
 extern "C" {
 #define AMPX_X_DECLARE(label, mode, rd, wr, sc, ck, cuda)                                                   \
@@ -231,12 +236,12 @@ int main(int argc, char **argv)
         ampx_cu_job job;
         memset(&job, 0, sizeof job);
         long long factor_off, found_off, flags_off, per_off = -1, total_off = -1;
-        int sequential = 0, cap = 0, n = 0;
+        int sequential = 0, cap = 0, n = 0, spans = 0;
         if (strcmp(kind, "scale") == 0) {
             job.kind = AMPX_CU_SCALE;
-            if (fscanf(fj, "%d %d %d %lf %lld %lld %lld %lld %lld %d %d %d", &job.reduce, &job.write, &job.scale,
+            if (fscanf(fj, "%d %d %d %lf %lld %lld %lld %lld %lld %d %d %d %d", &job.reduce, &job.write, &job.scale,
                        &job.factor, &factor_off, &found_off, &flags_off, &per_off, &total_off, &sequential, &cap,
-                       &n) != 12)
+                       &n, &spans) != 13)
                 return fail("bad scale job");
         } else if (strcmp(kind, "cast") == 0) {
             job.kind = AMPX_CU_CAST;
@@ -266,6 +271,34 @@ int main(int argc, char **argv)
             ts[i].ptr = dptr(po);
             ts[i].src = dptr(so);
             ts[i].index = (uint32_t)i;
+        }
+        std::vector<unsigned char> tables; /* "device memory" of the span tables (16-aligned below) */
+        if (spans && job.per_out != 0)
+            return fail("spans give no per-tensor reductions"); /* as csrc/entry_cuda.c decides */
+        if (spans) {
+            std::vector<ampx_tensor> at((size_t)n + 1), sp((size_t)n + 1);
+            std::vector<int64_t> first((size_t)n + 1), off((size_t)n + 1);
+            for (int i = 0; i < n; i++) {
+                at[i].ptr = (char *)(uintptr_t)ts[i].ptr;
+                at[i].numel = ts[i].numel;
+                at[i].dtype = ts[i].dtype;
+                at[i].index = ts[i].index;
+            }
+            int64_t m = 0;
+            ampx_coalesce(at.data(), n, sp.data(), first.data(), &m);
+            ampx_cu_deviceptr tab = 0;
+            if (job.flags_out != 0 && m > 0) {
+                tables.resize((size_t)ampx_cu_span_tables_bytes(n, m) + 16);
+                unsigned char *host = tables.data() + (16 - (uintptr_t)tables.data() % 16) % 16;
+                if (ampx_cu_span_tables(at.data(), sp.data(), first.data(), m, host, off.data()) != 0)
+                    return fail("span tables");
+                tab = (ampx_cu_deviceptr)(uintptr_t)host;
+                job.nflags = n;
+            }
+            if (m > 0) {
+                ampx_cu_span_slots(sp.data(), m, tab, off.data(), ts.data());
+                n = (int)m;
+            }
         }
         int64_t chunks = 0;
         int64_t bytes = ampx_cu_workspace_bytes(&job, ts.data(), n, &chunks);

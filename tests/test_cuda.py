@@ -426,7 +426,7 @@ def _build_emulator(d, block):
     flags = [f"-DAMPX_CU_BLOCK={block}", "-I", csrc, "-I", cuda, "-O1", "-pthread"]
     objs = []
     for lang, src in (("c++", os.path.join(cuda, "ampx_kernels.cu")), ("c++", os.path.join(cuda, "emulate_driver.cpp")),
-                      ("c", os.path.join(csrc, "cuda_launch.c"))):
+                      ("c", os.path.join(csrc, "cuda_launch.c")), ("c", os.path.join(csrc, "coalesce.c"))):
         obj = str(d / (os.path.basename(src) + ".o"))
         if lang == "c":
             cmd = [cc, "-std=c11"] + flags + ["-c", src, "-o", obj]
@@ -495,9 +495,22 @@ class Emulator:
         return open(ap, "rb").read()
 
     def scale(self, tensors, *, reduce=0, write=False, scale=False, factor=1.0, factor_dev=False, found=False,
-              flags=False, per=False, total=False, sequential=False, grid_cap=0, mis=0):
+              flags=False, per=False, total=False, sequential=False, grid_cap=0, mis=0, spans=False, packed=None):
+        """spans: the launcher gets coalesced span slots (with span tables when flags are
+        wanted), as csrc/entry_cuda.c makes them. packed: "up" lays the tensors back to back in
+        list order, "down" in reverse list order (DDP's bucket views), each starting `mis`
+        elements past a 256-byte boundary; None gives each its own region."""
         ar = Arena()
-        offs = [ar.tensor(t, mis) for t in tensors]
+        if packed is None:
+            offs = [ar.tensor(t, mis) for t in tensors]
+        else:
+            blobs = [t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+                     for t in tensors]
+            order = list(range(len(tensors))) if packed == "up" else list(range(len(tensors)))[::-1]
+            base = ar.put(b"".join(blobs[i] for i in order), mis * (tensors[0].element_size() if tensors else 0))
+            offs, at = [0] * len(tensors), base
+            for i in order:
+                offs[i], at = at, at + len(blobs[i])
         n = len(tensors)
         fo = ar.put(struct.pack("<f", factor)) if factor_dev else -1
         found_o = ar.put(b"\0" * 4) if found else -1
@@ -505,7 +518,7 @@ class Emulator:
         per_o = ar.put(b"\xee" * 4 * n) if per else -1
         total_o = ar.put(b"\xee" * 4) if total else -1
         job = (f"scale {reduce} {int(write)} {int(scale)} {float(factor).hex()} {fo} {found_o} {flags_o} {per_o} "
-               f"{total_o} {int(sequential)} {grid_cap} {n}\n")
+               f"{total_o} {int(sequential)} {grid_cap} {n} {int(spans)}\n")
         job += "".join(f"{DT_CODE[t.dtype]} 0 {t.numel()} {o} -1\n" for t, o in zip(tensors, offs))
         buf = self.run(job, ar)
         out = {"tensors": [Arena.read(buf, o, t.dtype, t.numel()).reshape(t.shape) for t, o in zip(tensors, offs)]}
@@ -685,6 +698,84 @@ def test_emulated_launch_splits_and_empty_tensors(emulator, count, rng):
     for a, b in zip(got["per"].tolist(), per.tolist()):
         assert_same_float(a, b)
     assert got["per"][count // 2].item() == 0.0 and got["flags"][-1].item() == 0
+
+
+def _span_case(dtype, rng, block):
+    """Tensors for a coalesced call: many small ones, empties, ones straddling chunk
+    boundaries, and non-finite values placed where attribution could slip: the last element
+    of one tensor next to the first of the next, a tensor all NaN, both kinds in one."""
+    sizes = [0, 1, 3, 2 * block - 1, 0, 17, CHUNK - 5, 9, CHUNK + 7, 0] + [int(rng.integers(1, 300)) for _ in range(150)]
+    sizes += [4 * block + 1, 1, 0]
+    tensors = [finite_values(dtype, n, rng) for n in sizes]
+    nonempty = [i for i, n in enumerate(sizes) if n > 0]
+    inf, nan = float("inf"), float("nan")
+    a, b = nonempty[5], nonempty[6]  # adjacent in the list and in memory
+    tensors[a][-1], tensors[b][0] = -inf, nan
+    # one thread's first vector, either packing: a -inf, then a NaN in the next tensor
+    tensors[1][0], tensors[2][0] = -inf, nan  # sizes 1 and 3, list order ("up")
+    tensors[-2][0], tensors[-3][0] = -inf, nan  # sizes 1 and 4*block+1, reversed ("down")
+    tensors[nonempty[2]][:] = nan  # a whole tensor: the noter remembers it
+    big = sizes.index(CHUNK + 7)
+    tensors[big][CHUNK - 1], tensors[big][CHUNK] = inf, nan  # both sides of its chunk boundary
+    for i in rng.choice(nonempty[8:], size=12, replace=False):
+        j = int(rng.integers(0, sizes[i]))
+        tensors[i][j] = [inf, -inf, nan][int(rng.integers(0, 3))]
+    return tensors
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
+@pytest.mark.parametrize("packed", ["up", "down"])
+@pytest.mark.parametrize("name", ["unscale_", "check_finite", "unscale_norm2", "norm2", "norminf_factor"])
+def test_emulated_spans_keep_per_tensor_flags(emulator, dtype, packed, name, rng):
+    """Back-to-back tensors streamed as span slots still report flags tensor by tensor (the
+    span tables), and everything else matches ampx's CPU op."""
+    reduce, write, scale, check = _EMU_MODES[name]
+    tensors = _span_case(dtype, rng, emulator.block)
+    factor = 0.37
+    c, found, flags, per, total = _cpu_same_call(name, tensors, factor)
+    want = expected_flags(tensors)
+    assert sum(1 for f in want if f) >= 10  # the case holds what it claims
+    for kw in ({}, {"grid_cap": 3}, {"mis": 1}):
+        got = emulator.scale(tensors, reduce=reduce, write=write, scale=scale, factor=factor, factor_dev=True,
+                             found=check, flags=check, total=reduce > 0, spans=True, packed=packed, **kw)
+        assert got["flags"].tolist() == flags.tolist() == want, kw
+        assert got["found"].item() == found.item() == 1.0
+        for i, (x, y) in enumerate(zip(got["tensors"], c)):
+            assert_exactly_equal(x, y, f"tensor {i} {kw}")
+        if reduce:
+            stored = c if write else ([unscale_ref(t, factor) for t in tensors] if scale else tensors)
+            total_ref, _ = norm_ref64(stored, _REDUCE_ORD[reduce])
+            assert_norm_close(float(got["total"]), total_ref)
+
+
+def test_emulated_spans_flag_inputs_not_outputs(emulator, rng):
+    """With a factor above 1 a finite input can overflow when scaled: its tensor's flag stays
+    clear (flags describe the inputs, as on the CPU and in torch), while a real inf elsewhere
+    in the same chunk is still found."""
+    tensors = [finite_values(torch.float32, n, rng) for n in [4, 1, 1, 2] + [100] * 40]
+    tensors[1][0] = 3e38  # * 1024 -> inf in the output
+    tensors[2][0] = float("inf")  # in the same 16-byte vector: the same thread sees both
+    tensors[9][7] = 3e38
+    got = emulator.scale(tensors, write=True, scale=True, factor=1024.0, factor_dev=True, found=True, flags=True,
+                         spans=True, packed="up")
+    c = clones(tensors)
+    flags = torch.zeros(len(c), dtype=torch.uint8)
+    ops.unscale_(c, torch.tensor([1024.0]), torch.zeros(1), flags=flags)
+    assert got["flags"].tolist() == flags.tolist() == expected_flags(tensors)
+    assert got["flags"][1].item() == 0 and got["flags"][2].item() == 1 and got["flags"][9].item() == 0
+    assert math.isinf(got["tensors"][1][0].item()) and math.isinf(got["tensors"][9][7].item())
+    for x, y in zip(got["tensors"], c):
+        assert_exactly_equal(x, y)
+
+
+def test_emulated_spans_of_clean_tensors_clear_stale_flags(emulator, rng):
+    """Flags start as garbage (0xff) in the harness: every tensor of a clean span, empties
+    included, gets its 0 written; a list of separate tensors still works with spans on."""
+    tensors = [finite_values(torch.bfloat16, n, rng) for n in (5, 0, 300, 1, 0, 2 * emulator.block + 3)]
+    for packed in ("up", "down", None):
+        got = emulator.scale(tensors, found=True, flags=True, spans=True, packed=packed)
+        assert got["flags"].tolist() == [0] * len(tensors), packed
+        assert got["found"].item() == 0.0
 
 
 def test_emulated_update_scale_matches_cpu(emulator, rng):
@@ -868,6 +959,92 @@ def test_cuda_scaler_sequence_captures_into_a_cuda_graph_and_replays(rng):
         assert_exactly_equal(scale.cpu(), sc)
         assert_exactly_equal(tracker.cpu(), tr)
         assert flags.tolist()[1] == (FLAG_INF if it == 3 else 0)
+
+
+def _views_with_specials(order, rng, count=1000):
+    """`count` views of one float32 buffer (reversed for "down": DDP's bucket order), CPU and
+    CUDA copies, with non-finite values at view boundaries and scattered."""
+    sizes = [int(rng.integers(1, 3000)) for _ in range(count)]
+    sizes[5] = 0
+    flat = finite_values(torch.float32, sum(sizes), rng)
+    views = list(flat.split(sizes))
+    views[1][-1], views[2][0] = -math.inf, math.nan  # last of one view, first of the next
+    views[7][:] = math.nan
+    for i in rng.choice(range(10, count), size=20, replace=False):
+        views[i][int(rng.integers(0, sizes[i]))] = [math.inf, -math.inf, math.nan][int(rng.integers(0, 3))]
+    dev = flat.cuda()
+    dviews = list(dev.split(sizes))
+    if order == "down":
+        views, dviews = views[::-1], dviews[::-1]
+    return views, dviews
+
+
+@gpu
+@pytest.mark.parametrize("order", ["up", "down"])
+def test_cuda_views_keep_per_tensor_flags(order, rng):
+    """Many views of one buffer with flags wanted (the scaler's unscale) run as one span slot
+    with span tables: flags tensor by tensor, values and found_inf as on the CPU."""
+    views, dviews = _views_with_specials(order, rng)
+    want = expected_flags(views)
+    for name in ("unscale_", "check_finite", "unscale_norm_"):
+        c, dv = clones(views), [v for v in dviews]
+        dflat = dv[0]._base if dv[0]._base is not None else None
+        snapshot = dflat.clone() if dflat is not None else None
+        found, flags = torch.zeros(1, device="cuda"), torch.full((len(dv),), 255, dtype=torch.uint8, device="cuda")
+        cfound, cflags = torch.zeros(1), torch.zeros(len(c), dtype=torch.uint8)
+        inv = torch.tensor([0.5], device="cuda")
+        if name == "unscale_":
+            ops.unscale_(dv, inv, found, flags=flags)
+            spans = _C._last_spans()
+            ops.unscale_(c, torch.tensor([0.5]), cfound, flags=cflags)
+        elif name == "check_finite":
+            ops.check_finite(dv, found, flags=flags)
+            spans = _C._last_spans()
+            ops.check_finite(c, cfound, flags=cflags)
+        else:
+            total = ops.unscale_norm_(dv, inv, found, flags=flags)
+            spans = _C._last_spans()
+            ctotal = ops.unscale_norm_(c, torch.tensor([0.5]), cfound, flags=cflags)
+            assert math.isnan(total.item()) == math.isnan(ctotal.item())
+        assert spans == 1, name  # read before the CPU reference call resets it
+        torch.cuda.synchronize()
+        assert flags.cpu().tolist() == cflags.tolist() == want, name
+        assert found.item() == cfound.item() == 1.0
+        for a, b in zip(host(dv), c):
+            assert_bits_equal(a, b, name)
+        if snapshot is not None:  # the next op starts from the same data
+            dflat.copy_(snapshot)
+
+
+@gpu
+def test_cuda_few_views_and_capture_run_tensor_by_tensor(rng):
+    """Span tables are used only where they save launches, and never inside a graph capture
+    (a replay would copy whatever the pinned buffer then held): flags still per tensor."""
+    views, dviews = _views_with_specials("up", rng, count=2 * MAX_T)
+    flags = torch.zeros(len(dviews), dtype=torch.uint8, device="cuda")
+    found = torch.zeros(1, device="cuda")
+    ops.check_finite(dviews, found, flags=flags)
+    assert _C._last_spans() == -1  # two launches: not worth a table
+    assert flags.cpu().tolist() == expected_flags(views)
+    views, dviews = _views_with_specials("down", rng)
+    flags = torch.zeros(len(dviews), dtype=torch.uint8, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ops.check_finite(dviews, found, flags=flags)  # warm-up outside the capture
+        assert _C._last_spans() == 1  # outside a capture the same call uses span tables
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        found.zero_()
+        flags.zero_()
+        ops.check_finite(dviews, found, flags=flags)
+        spans_in_capture = _C._last_spans()
+    g.replay()
+    torch.cuda.synchronize()
+    assert spans_in_capture == -1
+    assert flags.cpu().tolist() == expected_flags(views)
+    assert found.item() == 1.0
 
 
 def _free_gib():

@@ -159,3 +159,45 @@ def test_cuda_sharded_scaler_on_one_nccl_rank_makes_no_host_sync():
             assert n == pytest.approx(r, rel=1e-5)
     finally:
         dist.destroy_process_group()
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+def test_cuda_grad_buffer_of_many_params_reports_by_name_without_sync(kind):
+    """1,200 parameters in a GradBuffer: the scaler's pass runs as one span with span tables
+    (ampx._C._last_spans() == 1), never waits for the host, and its overflow report still
+    names the parameters that overflowed; parameters match the same run without coalescing."""
+    def run(coalesce):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(600)]).cuda()
+        buf = ampx.GradBuffer(model.parameters())
+        opt = _opt(kind, model.parameters())
+        scaler = ampx.GradScaler("cuda", init_scale=2.0**10, named_parameters=model.named_parameters())
+        prev = ampx._C._set_coalesce(coalesce)
+        spans = []
+        try:
+            g = torch.Generator(device="cuda").manual_seed(2)
+            for step in range(6):
+                x = torch.randn(4, 8, device="cuda", generator=g)
+                opt.zero_grad()
+                scaler.scale(model(x).square().mean()).backward()
+                if step == 3:
+                    model[17].weight.grad[0, 1] = math.inf
+                    model[402].bias.grad[5] = math.nan
+                with _sync_is_an_error(step >= 2):
+                    scaler.step(opt)
+                    scaler.update()
+                spans.append(ampx._C._last_spans())
+        finally:
+            ampx._C._set_coalesce(prev)
+        report = scaler.overflow_report()
+        buf.close()
+        return model, report, spans
+
+    ma, ra, spans = run(True)
+    mb, rb, _ = run(False)
+    assert spans[0] == 1, spans  # one span: the whole buffer
+    assert ra is not None and ra.inf == ["17.weight"] and ra.nan == ["402.bias"], ra
+    assert (rb.inf, rb.nan) == (ra.inf, ra.nan)
+    for p, q in zip(ma.parameters(), mb.parameters()):
+        assert torch.equal(p, q)
