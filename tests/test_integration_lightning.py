@@ -502,6 +502,50 @@ def test_clip_by_value_with_a_fused_optimizer():
     assert_params_close(model.net, ref)
 
 
+class SkipsSome(Net):
+    """Returns None from training_step at the batches in ``none_at`` (no backward, no step) and
+    counts the hooks Lightning runs around each optimizer step."""
+
+    def __init__(self, none_at, **kw):
+        super().__init__(**kw)
+        self.none_at = set(none_at)
+        self.before_step = []
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx in self.none_at else super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer):
+        self.before_step.append(self.trainer.fit_loop.epoch_loop.batch_idx)
+
+
+def test_training_step_returning_none_runs_the_hooks_as_the_stock_plugin():
+    """Batches whose training_step returns None: no step and not a skipped (overflow) step;
+    the hooks run as with the stock plugin and training ends on the stock plugin's parameters."""
+    data, none_at = batches(8), (2, 5)
+    runs = {}
+    for name, plugin in (("ampx", AmpxPrecision("16-mixed", device="cpu")),
+                         ("stock", MixedPrecision("16-mixed", device="cpu"))):
+        runs[name] = SkipsSome(none_at)
+        fit(runs[name], plugin, data)
+    assert runs["ampx"].before_step == runs["stock"].before_step == list(range(8))
+    assert runs["ampx"].trainer.precision_plugin.scaler.stats()["steps"] == 6
+    assert runs["ampx"].trainer.precision_plugin.scaler.stats()["skipped_steps"] == 0
+    for p, q in zip(runs["ampx"].parameters(), runs["stock"].parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("kind", ["foreach", "fused"])
+def test_training_step_returning_none_is_not_clipped(kind, clip_calls):
+    """With clipping on, ampx's clip runs for the batches with a backward only (it prepares the
+    step that follows it), and the scaler is left ready for the next one."""
+    model = SkipsSome((0, 3, 7), kind=kind)
+    fit(model, AmpxPrecision("16-mixed", device="cpu"), batches(8), gradient_clip_val=1.0)
+    assert model.before_step == list(range(8))
+    assert len(clip_calls) == 5
+    stats = model.trainer.precision_plugin.scaler.stats()
+    assert (stats["steps"], stats["skipped_steps"]) == (5, 0)
+
+
 def test_bad_arguments_say_what_to_do():
     with pytest.raises(ValueError, match="precision must be one of"):
         AmpxPrecision("16-true")

@@ -92,6 +92,7 @@ class AmpxPrecision(MixedPrecision):
         # id(optimizer) whose gradients the scaler has already unscaled or clipped this step
         # (by the plugin, or by a manual-optimization clip before opt.step())
         self._unscaled = set()
+        self._no_clip = False  # set while the hooks of a step without backward run
         self._watched = None  # id of the LightningModule whose parameter names the scaler has
         self._held = []  # schedulers this plugin holds on skipped steps
         self.log_stats = log_stats
@@ -154,7 +155,14 @@ class AmpxPrecision(MixedPrecision):
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
             # training_step returned None: no backward, no step; not an overflow (Lightning's
-            # schedule goes on, as with the stock plugin)
+            # schedule goes on, as with the stock plugin). Its hooks still run, as with the stock
+            # plugin, but not the clip: the gradients will not be stepped (the stock plugin would
+            # clip them as they are, still scaled), and ampx's clip prepares the next step.
+            self._no_clip = True
+            try:
+                self._after_closure(model, optimizer)
+            finally:
+                self._no_clip = False
             self._last_skipped[id(optimizer)] = False
             return closure_result
         if id(optimizer) not in self._unscaled and _hooks_read_gradients(model):
@@ -193,7 +201,7 @@ class AmpxPrecision(MixedPrecision):
     def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=GradClipAlgorithmType.NORM):
         """Clips through ampx: by norm with ``scaler.clip_grad_norm_`` (any optimizer, fused ones
         included, the clip folded into their step); by value after an in-memory unscale."""
-        if not clip_val or clip_val <= 0:
+        if not clip_val or clip_val <= 0 or self._no_clip:
             return
         optimizer = _unwrap(optimizer)
         if gradient_clip_algorithm == GradClipAlgorithmType.NORM:
