@@ -597,17 +597,17 @@ def resolve_optimizer(optimizer, method, needs="param_groups"):
     wraps, so the scaler keys one per-step state whichever object the caller holds (the wrapper
     for clipping, the inner optimizer in the framework's own step): nothing is unscaled twice.
     Followed: an object that is not a ``torch.optim.Optimizer`` but whose ``.optimizer`` is one
-    (Lightning's ``LightningOptimizer`` and the like), and Accelerate's ``AcceleratedOptimizer``
-    (an Optimizer subclass that only delegates; recognised by name, so accelerate is never
-    imported). Never followed: any other Optimizer subclass, whose own ``step`` may do work
-    (``ampx.MasterWeights``, Lookahead-style wrappers).
+    (Lightning's ``LightningOptimizer`` and the like), Accelerate's ``AcceleratedOptimizer`` and
+    Lightning Fabric's ``_FabricOptimizer`` (Optimizer subclasses that only delegate; recognised
+    by name, so neither framework is ever imported). Never followed: any other Optimizer
+    subclass, whose own ``step`` may do work (``ampx.MasterWeights``, Lookahead-style wrappers).
 
     Raises TypeError naming ``method`` when the object is no optimizer at all (it lacks
     ``needs``: ``param_groups``, or for a disabled scaler's step only ``step``) and wraps none.
     """
     opt = optimizer
     for _ in range(16):  # a wrapper of a wrapper ...; a cycle ends here
-        if isinstance(opt, torch.optim.Optimizer) and not _is_accelerate_wrapper(opt):
+        if isinstance(opt, torch.optim.Optimizer) and not _is_delegating_wrapper(opt):
             break
         inner = getattr(opt, "optimizer", None)
         if inner is None or inner is opt:
@@ -661,9 +661,16 @@ def _drives_scaler_itself(step):
     return found
 
 
-def _is_accelerate_wrapper(opt):
-    return any(c.__name__ == "AcceleratedOptimizer" and c.__module__.startswith("accelerate.")
-               for c in type(opt).__mro__)
+# Optimizer subclasses that only delegate to their .optimizer: Accelerate's AcceleratedOptimizer
+# and Lightning Fabric's _FabricOptimizer (a class made at run time from the wrapper and the
+# wrapped optimizer's class, so isinstance(Optimizer) holds; the strategy steps the inner one).
+_DELEGATING = (("AcceleratedOptimizer", ("accelerate.",)),
+               ("_FabricOptimizer", ("lightning.fabric.", "lightning_fabric.")))
+
+
+def _is_delegating_wrapper(opt):
+    return any(c.__name__ == name and c.__module__.startswith(mods)
+               for c in type(opt).__mro__ for name, mods in _DELEGATING)
 
 
 def _by_device(params, grads, devices):

@@ -39,6 +39,25 @@ import torch
 import ampx
 from ampx import ops
 
+
+@contextlib.contextmanager
+def quiet_frameworks(*names):
+    """Loggers `names` at ERROR and warnings ignored for the block: a framework's banners, tips
+    and performance warnings, which say nothing the tests check."""
+    import logging
+    import warnings
+
+    levels = {n: logging.getLogger(n).level for n in names}
+    for n in names:
+        logging.getLogger(n).setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for n, lvl in levels.items():
+            logging.getLogger(n).setLevel(lvl)
+
 LEVELS = ops.available_simd_levels()
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 LOW_DTYPES = [torch.float16, torch.bfloat16]

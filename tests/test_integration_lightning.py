@@ -20,7 +20,6 @@ import logging
 import os
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
@@ -30,6 +29,7 @@ L = pytest.importorskip("lightning")
 import ampx  # noqa: E402
 from ampx.integrations.lightning import AmpxPrecision  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+from conftest import quiet_frameworks  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
@@ -38,15 +38,8 @@ DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 @pytest.fixture(autouse=True)
 def quiet():
     """Lightning's banners, tips and performance warnings say nothing these tests check."""
-    names = ("lightning.pytorch", "lightning.fabric", "lightning")
-    levels = {n: logging.getLogger(n).level for n in names}
-    for n in names:
-        logging.getLogger(n).setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet_frameworks("lightning.pytorch", "lightning.fabric", "lightning"):
         yield
-    for n, lvl in levels.items():
-        logging.getLogger(n).setLevel(lvl)
 
 
 def batches(n, seed=1):

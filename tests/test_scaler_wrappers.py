@@ -1,6 +1,7 @@
 """ampx.GradScaler and the optimizer wrappers frameworks hand out.
 
-Accelerate's ``AcceleratedOptimizer`` and Lightning's ``LightningOptimizer`` wrap the optimizer the
+Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer`` and Fabric's
+``_FabricOptimizer`` wrap the optimizer the
 framework steps. A user who clips through the wrapper while the framework steps the inner one must
 get one per-step state: the gradients unscaled once, the norm unscaled, the clip applied (folded
 into a fused optimizer too). Covers: every public method that takes an optimizer resolves a
@@ -120,6 +121,26 @@ def test_accelerated_optimizer_is_followed():
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+@pytest.mark.parametrize("module", ["lightning.fabric.wrappers", "lightning_fabric.wrappers"])
+def test_fabric_optimizer_is_followed_by_name(module):
+    """Fabric's wrapper, recognised without importing lightning: a class named _FabricOptimizer
+    from Fabric's module, mixed with the wrapped optimizer's class as Fabric does."""
+    def wrapper_class(mod):
+        def init(self, o):
+            self._optimizer, self.param_groups = o, o.param_groups
+        return type("_FabricOptimizer", (), {"__module__": mod, "__init__": init,
+                                             "optimizer": property(lambda self: self._optimizer)})
+
+    model = _model()
+    opt = _adamw(model, "fused")
+    wrapped = type("FabricAdamW", (wrapper_class(module), type(opt)), {})(opt)
+    assert isinstance(wrapped, torch.optim.Optimizer)
+    assert resolve_optimizer(wrapped, "step") is opt
+    # the same name from another module is an Optimizer subclass of its own: not followed
+    impostor = type("FabricAdamW", (wrapper_class("mine"), type(opt)), {})(opt)
+    assert resolve_optimizer(impostor, "step") is impostor
 
 
 def test_master_weights_under_a_wrapper():

@@ -1,0 +1,106 @@
+"""ampx.GradScaler inside Lightning Fabric (CPU), through Fabric's own MixedPrecision plugin.
+
+Fabric takes any torch.amp.GradScaler: ``MixedPrecision("16-mixed", device, scaler=ampx.GradScaler(...))``.
+Fabric hands out ``_FabricOptimizer``, an Optimizer subclass made at run time that delegates to
+the optimizer the strategy steps; ampx follows it to that optimizer, so clipping through
+``scaler.clip_grad_norm_(fabric_optimizer, ...)`` while Fabric steps the inner optimizer unscales
+once and clips what is stepped (before the fix, foreach AdamW was unscaled twice and fused AdamW
+stepped unclipped, silently). Covers: foreach and fused AdamW with injected overflows (one
+consecutive pair, so hysteresis shows) against the same loop written on ampx directly, bit for
+bit; Fabric's own clip (``fabric.clip_gradients``) with a foreach optimizer against torch's
+scaler in the same plugin. Tested with lightning 2.6.6.
+"""
+import pytest
+import torch
+
+L = pytest.importorskip("lightning")
+
+import ampx  # noqa: E402
+from lightning.fabric import Fabric  # noqa: E402
+from lightning.fabric.plugins.precision import MixedPrecision  # noqa: E402
+from conftest import quiet_frameworks  # noqa: E402
+
+INF_AT = (2, 3)
+
+
+@pytest.fixture(autouse=True)
+def quiet():
+    """Lightning's banners, tips and performance warnings say nothing these tests check."""
+    with quiet_frameworks("lightning.fabric", "lightning"):
+        yield
+
+
+def _setup(kind, scaler, fabric):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **{kind: True})
+    if fabric:
+        f = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+        model, opt = f.setup(model, opt)
+        return f, model, opt
+    return None, model, opt
+
+
+def _data(steps=7):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)) for _ in range(steps)]
+
+
+def _inject(model, step):
+    if step in INF_AT:
+        next(model.parameters()).grad.view(-1)[0] = float("inf")
+
+
+def _run_fabric(kind, scaler, clip):
+    """clip: "ampx" (scaler.clip_grad_norm_ on Fabric's optimizer), "fabric" (fabric.clip_gradients)."""
+    f, model, opt = _setup(kind, scaler, True)
+    assert type(opt).__name__.startswith("Fabric")  # the wrapper ampx must see through
+    for step, (x, y) in enumerate(_data()):
+        opt.zero_grad()
+        f.backward(torch.nn.functional.mse_loss(model(x).float(), y))
+        _inject(model, step)
+        if clip == "ampx":
+            scaler.clip_grad_norm_(opt, 1.0)
+        else:
+            f.clip_gradients(model, opt, max_norm=1.0, error_if_nonfinite=False)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _run_direct(kind, scaler):
+    _, model, opt = _setup(kind, scaler, False)
+    for step, (x, y) in enumerate(_data()):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        scaler.scale(torch.nn.functional.mse_loss(out.float(), y)).backward()
+        _inject(model, step)
+        scaler.clip_grad_norm_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _scaler():
+    return ampx.GradScaler("cpu", init_scale=2.0**10, hysteresis=2)
+
+
+@pytest.mark.parametrize("kind", ["foreach", "fused"])
+def test_ampx_clip_through_fabrics_optimizer_matches_the_direct_loop(kind):
+    sf, sd = _scaler(), _scaler()
+    got, want = _run_fabric(kind, sf, "ampx"), _run_direct(kind, sd)
+    for p, q in zip(got, want):
+        assert torch.equal(p, q)
+    assert sf.stats()["skipped_steps"] == sd.stats()["skipped_steps"] == 2
+    assert sf.get_scale() == sd.get_scale() == 2.0**9  # hysteresis 2: one backoff for two overflows
+    assert sf.overflow_report().inf == sd.overflow_report().inf
+
+
+def test_fabrics_own_clip_with_ampx_matches_torchs_scaler():
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    ampx_scaler = ampx.GradScaler("cpu", init_scale=2.0**10)
+    got = _run_fabric("foreach", ampx_scaler, "fabric")
+    want = _run_fabric("foreach", torch_scaler, "fabric")
+    for p, q in zip(got, want):
+        assert torch.equal(p, q)
+    assert ampx_scaler.get_scale() == torch_scaler.get_scale() == 2.0**8
