@@ -421,49 +421,65 @@ __device__ __forceinline__ void run_chunks(const ampx_cu_args &a, int rd, Body &
  * The streaming loop below is the same with or without span tables: a thread only learns
  * there whether any of its elements was non-finite (its part's flags). One that was then
  * reads its own elements of the chunk again (note_elements) and notes each non-finite one
- * under its tensor in the span table. Rare (overflow steps), and out of the loop, so the
- * loop keeps its registers. The second read sees the values as stored; they are non-finite
- * exactly where the inputs were, and of the same kind, when the factor is finite, non-zero
- * and at most 1 in magnitude (nothing finite overflows, no inf meets a zero). With another
- * factor a writing kernel notes before it writes instead: every thread reads its elements
- * first (scale < 1 only, so the extra read is rare too). */
+ * under its tensor in the span table. Rare (overflow steps), and out of the loop: a call
+ * (not inlined), so that the loop does not keep the chunk's pointer, length and slot live
+ * for it (inlined, ptxas reloaded them in every iteration on sm_90). The second read sees
+ * the values as stored; they are non-finite exactly where the inputs were, and of the same
+ * kind, when the factor is a normal number of magnitude at most 1 (nothing finite
+ * overflows, no inf meets a zero, even where subnormals are flushed). With another factor
+ * a writing kernel notes before it writes instead: every thread reads its elements first
+ * (scale < 1 only, so the extra read is rare too). */
+
+/* The tensor a thread noted last: a thread visits its elements in increasing order, so a
+ * run of non-finite values in one tensor costs one look-up and one atomic per bit. */
+struct span_seen {
+    int64_t lo, hi; /* its elements, as span offsets ([0, 0) at first) */
+    unsigned *word; /* its flags word in tflags */
+    unsigned bits;  /* the bits already set there by this thread */
+};
 
 /* Sets `bits` in tflags for the tensor holding element o of the span (an offset from the
- * span's first element). The word is read before the atomic, so a tensor full of NaN costs
- * one atomic per bit, not one per element. */
-__device__ __forceinline__ void span_note(const ampx_cu_args &a, int slot, int64_t o, unsigned bits)
+ * span's first element), looking it up in the span table unless it is seen's. */
+__device__ __forceinline__ void span_note(const ampx_cu_args &a, int slot, int64_t o, unsigned bits, span_seen &seen)
 {
-    const ampx_cu_span_head *head = reinterpret_cast<const ampx_cu_span_head *>(a.src[slot]);
-    const ampx_cu_span_entry *ent = reinterpret_cast<const ampx_cu_span_entry *>(head + 1);
-    int l = 0, r = (int)head->search - 1; /* the last entry starting at or before o */
-    while (l < r) {
-        const int mid = (l + r + 1) >> 1;
-        if (ent[mid].off <= o)
-            l = mid;
-        else
-            r = mid - 1;
+    if (o < seen.lo || o >= seen.hi) {
+        const ampx_cu_span_head *head = reinterpret_cast<const ampx_cu_span_head *>(a.src[slot]);
+        const ampx_cu_span_entry *ent = reinterpret_cast<const ampx_cu_span_entry *>(head + 1);
+        const int last = (int)head->search - 1;
+        int l = 0, r = last; /* the last entry starting at or before o */
+        while (l < r) {
+            const int mid = (l + r + 1) >> 1;
+            if (ent[mid].off <= o)
+                l = mid;
+            else
+                r = mid - 1;
+        }
+        seen.lo = ent[l].off;
+        seen.hi = l < last ? ent[l + 1].off : (int64_t)0x7fffffffffffffffll;
+        seen.word = reinterpret_cast<unsigned *>(a.tflags) + ent[l].index;
+        seen.bits = 0u;
     }
-    unsigned *w = reinterpret_cast<unsigned *>(a.tflags) + ent[l].index;
-    if ((__ldcg(w) & bits) != bits) {
-        atomicOr(w, bits);
+    if ((seen.bits & bits) != bits) {
+        atomicOr(seen.word, bits);
         __threadfence(); /* before this block counts the chunk done */
+        seen.bits |= bits;
     }
 }
 
 /* Notes the non-finite values among this thread's elements of a chunk of len elements at p
  * (the loop's ownership: vectors tid, tid + BLOCK, ..., and the tail for its owner). */
 template <int DT>
-__device__ __forceinline__ void note_elements(const ampx_cu_args &a, int slot, const char *p, int64_t len)
+__device__ __noinline__ void note_elements(const ampx_cu_args &a, int slot, const char *p, int64_t len)
 {
     constexpr int W = 16 / dt_info<DT>::size;
     const int tid = threadIdx.x;
     const int64_t nvec = len / W;
     const int64_t base = (int64_t)(p - reinterpret_cast<const char *>(a.ptr[slot])) / dt_info<DT>::size;
+    span_seen seen = {0, 0, nullptr, 0u};
     auto one = [&](int64_t e) {
-        const float x = (float)sload<DT>(const_cast<char *>(p), e);
-        const double xd = DT == AMPX_F64 ? (double)sload<DT>(const_cast<char *>(p), e) : (double)x;
-        if (isnan(xd) || isinf(xd))
-            span_note(a, slot, base + e, isnan(xd) ? AMPX_FLAG_NAN : AMPX_FLAG_INF);
+        const double x = (double)sload<DT>(const_cast<char *>(p), e);
+        if (isnan(x) || isinf(x))
+            span_note(a, slot, base + e, isnan(x) ? AMPX_FLAG_NAN : AMPX_FLAG_INF, seen);
     };
     for (int64_t v = tid; v < nvec; v += BLOCK)
         for (int k = 0; k < W; k++)
@@ -473,10 +489,12 @@ __device__ __forceinline__ void note_elements(const ampx_cu_args &a, int slot, c
             one(e);
 }
 
-/* Whether stored values are non-finite exactly where, and as, their inputs were. */
+/* Whether stored values are non-finite exactly where, and as, their inputs were: the
+ * factor, as each dtype's multiply takes it, is normal and at most 1 in magnitude. */
 __device__ __forceinline__ bool keeps_nonfinite(float fs, double fd)
 {
-    return fs != 0.0f && fabsf(fs) <= 1.0f && fd != 0.0 && fabs(fd) <= 1.0;
+    return fabsf(fs) >= 1.17549435e-38f && fabsf(fs) <= 1.0f && fabs(fd) >= 2.2250738585072014e-308 &&
+           fabs(fd) <= 1.0;
 }
 
 /* One chunk of a DT tensor: multiply (SC), store (WR), classify, reduce (RD);

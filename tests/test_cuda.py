@@ -768,6 +768,34 @@ def test_emulated_spans_flag_inputs_not_outputs(emulator, rng):
         assert_exactly_equal(x, y)
 
 
+_EDGE_FACTORS = [0.37, 1.0, 1 - 2.0**-40, 1 + 2.0**-40, 2.0, 1e-40, 1e-50, 0.0, -0.0, -1.0, math.inf, math.nan]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
+@pytest.mark.parametrize("factor", _EDGE_FACTORS, ids=repr)
+def test_emulated_spans_flags_whatever_the_factor(emulator, dtype, factor, rng):
+    """Per-tensor flags through span tables are those of the inputs for any factor: in (0, 1]
+    the kernel reads the stored values again; above 1 (finite values overflow), zero (inf
+    times 0 is NaN), subnormal in float32 (flushed or not), non-finite, or rounding to 1 in
+    float32 but not in float64, it notes before writing. The largest finite value of the
+    dtype sits next to an inf and a NaN of other tensors in one vector, so any confusion of
+    stored and input values shows."""
+    sizes = [3, 1, 1, 2 * emulator.block + 5, 7, 4 * emulator.block + 1] + [int(rng.integers(1, 200)) for _ in range(20)]
+    tensors = [finite_values(dtype, n, rng) for n in sizes]
+    top = float(torch.finfo(dtype).max)
+    tensors[0][2], tensors[1][0], tensors[2][0] = top, math.inf, math.nan  # elements 2, 3, 4
+    tensors[4][3], tensors[5][-1], tensors[9][0] = -top, -math.inf, math.nan
+    want = expected_flags(tensors)
+    for packed, on_device in (("up", True), ("down", False)):
+        got = emulator.scale(tensors, write=True, scale=True, factor=factor, factor_dev=on_device, found=True,
+                             flags=True, spans=True, packed=packed)
+        assert got["flags"].tolist() == want, (packed, on_device)
+        assert got["found"].item() == 1.0
+    got = emulator.scale(tensors, reduce=3, scale=True, factor=factor, factor_dev=True, found=True, flags=True,
+                         total=True, spans=True, packed="up")
+    assert got["flags"].tolist() == want
+
+
 def test_emulated_spans_of_clean_tensors_clear_stale_flags(emulator, rng):
     """Flags start as garbage (0xff) in the harness: every tensor of a clean span, empties
     included, gets its 0 written; a list of separate tensors still works with spans on."""
