@@ -92,6 +92,33 @@ AMPX_INLINE void finish_partial(int reduce, double sum, float maxabs, unsigned r
 
 /* ---- scale / check / reduce over float32, float16, bfloat16 --------------- */
 
+/* One vector of scale_body at element i: classify, multiply, store, reduce into acc. */
+AMPX_INLINE void scale_vec(int dt, int sc, int wr, int ck, int rd, char *p, int64_t i, vf vs, vacc *acc,
+                           unsigned *vn, unsigned *vi, unsigned *rn)
+{
+    vf x = vload_dt(dt, p, i);
+    if (ck) {
+        *vn |= vnan(x);
+        *vi |= vinf(x);
+    }
+    if (sc)
+        x = vmul(x, vs);
+    if (wr)
+        vstore_dt(dt, p, i, x);
+    if (rd) {
+        if (sc)
+            x = vround_dt(dt, x);
+        if (rd == AMPX_REDUCE_SUMSQ) {
+            vacc_sq(acc, x);
+        } else if (rd == AMPX_REDUCE_SUMABS) {
+            vacc_abs(acc, x);
+        } else {
+            vacc_max(acc, x);
+            *rn |= vnan(x);
+        }
+    }
+}
+
 AMPX_INLINE void scale_body(int dt, int mode, void *ptr, int64_t n, double factor,
                             ampx_partial *out)
 {
@@ -100,33 +127,20 @@ AMPX_INLINE void scale_body(int dt, int mode, void *ptr, int64_t n, double facto
     char *p = (char *)ptr;
     const float s = (float)factor;
     const vf vs = vset1(s);
-    vacc acc;
+    /* Two accumulators taking alternate vectors: a float64 sum's adds form a chain whose latency,
+     * not memory, bounded a norm over data in cache (1M float32 hot in cache, one thread: 68 us
+     * against 42 for unscale_); each accumulator holds two independent chains already. */
+    vacc acc, acc2;
     vacc_init(&acc);
+    vacc_init(&acc2);
     unsigned vn = 0, vi = 0, rn = 0, flags = 0;
     int64_t i = 0;
-    for (; i + VW <= n; i += VW) {
-        vf x = vload_dt(dt, p, i);
-        if (ck) {
-            vn |= vnan(x);
-            vi |= vinf(x);
-        }
-        if (sc)
-            x = vmul(x, vs);
-        if (wr)
-            vstore_dt(dt, p, i, x);
-        if (rd) {
-            if (sc)
-                x = vround_dt(dt, x);
-            if (rd == AMPX_REDUCE_SUMSQ) {
-                vacc_sq(&acc, x);
-            } else if (rd == AMPX_REDUCE_SUMABS) {
-                vacc_abs(&acc, x);
-            } else {
-                vacc_max(&acc, x);
-                rn |= vnan(x);
-            }
-        }
+    for (; i + 2 * VW <= n; i += 2 * VW) {
+        scale_vec(dt, sc, wr, ck, rd, p, i, vs, &acc, &vn, &vi, &rn);
+        scale_vec(dt, sc, wr, ck, rd, p, i + VW, vs, &acc2, &vn, &vi, &rn);
     }
+    for (; i + VW <= n; i += VW)
+        scale_vec(dt, sc, wr, ck, rd, p, i, vs, &acc, &vn, &vi, &rn);
     double sum = 0.0;
     float mx = 0.0f;
     for (; i < n; i++) {
@@ -152,11 +166,13 @@ AMPX_INLINE void scale_body(int dt, int mode, void *ptr, int64_t n, double facto
     if (vi)
         flags |= AMPX_FLAG_INF;
     if (rd == AMPX_REDUCE_MAXABS) {
-        float vm = vacc_maxval(&acc);
+        float vm = vacc_maxval(&acc), vm2 = vacc_maxval(&acc2);
+        if (vm2 > vm)
+            vm = vm2;
         if (vm > mx)
             mx = vm;
     } else if (rd) {
-        sum = vacc_sum(&acc) + sum;
+        sum = (vacc_sum(&acc) + vacc_sum(&acc2)) + sum;
     }
     finish_partial(rd, sum, mx, rn, flags, out);
 }
