@@ -30,6 +30,7 @@ void tlist_free(tlist *L)
     free(L->holds);
     Py_XDECREF(L->pyholds);
     Py_XDECREF(L->seq);
+    free(L->items);
     free(L->ts);
     free(L->nc);
     free(L->neg);
@@ -175,12 +176,18 @@ static int tlist_alloc(const char *op, const char *arg, PyObject *seq, tlist *L)
     L->impl = (uintptr_t *)calloc(m, sizeof *L->impl);
     L->counter = (uintptr_t *)calloc(m, sizeof *L->counter);
     L->bump_py = (unsigned char *)calloc(m, 1);
+    L->items = (PyObject **)malloc(m * sizeof *L->items);
     if (L->ts == NULL || L->nc == NULL || L->neg == NULL || L->tmp == NULL || L->lo == NULL || L->hi == NULL ||
-        L->layout == NULL || L->impl == NULL || L->counter == NULL || L->bump_py == NULL) {
+        L->layout == NULL || L->impl == NULL || L->counter == NULL || L->bump_py == NULL || L->items == NULL) {
         tlist_free(L);
         PyErr_NoMemory();
         return -1;
     }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if ((L->items[i] = PyTuple_GetItem(L->seq, i)) == NULL) {
+            tlist_free(L);
+            return -1;
+        }
     return 0;
 }
 

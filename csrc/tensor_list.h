@@ -23,6 +23,8 @@
 typedef struct {
     Py_ssize_t n;
     PyObject *seq;         /* owned tuple of the tensors: keeps them alive while the GIL is released */
+    PyObject **items;      /* n borrowed references: seq's items, read once (the limited API has no
+                              macro for them, and each PyTuple_GetItem call costs a few ns a tensor) */
     ampx_tensor *ts;       /* n descriptors (ptr NULL for a written non-contiguous tensor until staged) */
     unsigned char *nc;     /* n: non-contiguous (handled through a contiguous copy) */
     unsigned char *neg;    /* n: has torch's negative bit (read for casts only; else all 0) */
@@ -41,7 +43,7 @@ typedef struct {
 } tlist;
 
 /* Item i of a gathered list (a borrowed reference the tuple keeps alive). */
-static inline PyObject *tlist_item(const tlist *L, Py_ssize_t i) { return PyTuple_GetItem(L->seq, i); }
+static inline PyObject *tlist_item(const tlist *L, Py_ssize_t i) { return L->items[i]; }
 
 void tlist_free(tlist *L);
 
