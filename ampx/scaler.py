@@ -467,10 +467,12 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         optimizers on the CPU see ``optimizer.found_inf`` None rather than a zero tensor when
         nothing overflowed (the same result, without a per-parameter op on the step counters).
         """
+        stepper = self._fabric_stepper(optimizer)
         optimizer = resolve_optimizer(optimizer, "step", "param_groups" if self._enabled else "step")
+        stepper = stepper or optimizer
         if not self._enabled:
             self.last_step_skipped = False
-            return optimizer.step(*args, **kwargs)
+            return stepper.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         self._check_scale_growth_tracker("step")
@@ -504,7 +506,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                 found_inf = None
             optimizer.found_inf = found_inf
             try:
-                retval = optimizer.step(*args, **kwargs)
+                retval = stepper.step(*args, **kwargs)
             finally:
                 del optimizer.grad_scale
                 del optimizer.found_inf
@@ -523,10 +525,25 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         if len(state["found_inf_per_device"]) == 0:
             raise AssertionError("No inf checks were recorded for this optimizer.")
         skipped = bool(sum(v.item() for v in state["found_inf_per_device"].values()))
-        retval = None if skipped else optimizer.step(*args, **kwargs)
+        retval = None if skipped else stepper.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED
         self.last_step_skipped = skipped
         return retval
+
+    def _fabric_stepper(self, optimizer):
+        """Lightning Fabric's optimizer wrapper when step() is given one, else None. Its per-step
+        state is the inner optimizer's (resolve_optimizer), but it is stepped through the wrapper,
+        as torch's scaler does: Fabric's strategy may step something else (DeepSpeed's engine)
+        and runs its callbacks. Refused when Fabric's precision plugin drives this scaler itself:
+        the wrapper's step would call step() again."""
+        if not _is_fabric_wrapper(optimizer):
+            return None
+        precision = getattr(getattr(optimizer, "_strategy", None), "precision", None)
+        if self._enabled and getattr(precision, "scaler", None) is self:
+            raise RuntimeError(
+                "ampx.GradScaler.step: Lightning Fabric's precision plugin already steps and updates this "
+                "scaler; call optimizer.step() (Fabric's optimizer) instead of scaler.step(optimizer)")
+        return optimizer
 
     def update(self, new_scale=None):
         """Updates the scale after all optimizers stepped (torch's rule, plus the extras).
@@ -661,16 +678,23 @@ def _drives_scaler_itself(step):
     return found
 
 
-# Optimizer subclasses that only delegate to their .optimizer: Accelerate's AcceleratedOptimizer
-# and Lightning Fabric's _FabricOptimizer (a class made at run time from the wrapper and the
-# wrapped optimizer's class, so isinstance(Optimizer) holds; the strategy steps the inner one).
-_DELEGATING = (("AcceleratedOptimizer", ("accelerate.",)),
-               ("_FabricOptimizer", ("lightning.fabric.", "lightning_fabric.")))
+# Optimizer subclasses that wrap the optimizer whose gradients and per-step state count:
+# Accelerate's AcceleratedOptimizer (only delegates) and Lightning Fabric's _FabricOptimizer (a
+# class made at run time from the wrapper and the wrapped optimizer's class, so
+# isinstance(Optimizer) holds; its step goes through Fabric's strategy and callbacks, so
+# step() calls it rather than the inner one: GradScaler._fabric_stepper).
+_FABRIC = ("_FabricOptimizer", ("lightning.fabric.", "lightning_fabric."))
+_DELEGATING = (("AcceleratedOptimizer", ("accelerate.",)), _FABRIC)
 
 
 def _is_delegating_wrapper(opt):
     return any(c.__name__ == name and c.__module__.startswith(mods)
                for c in type(opt).__mro__ for name, mods in _DELEGATING)
+
+
+def _is_fabric_wrapper(opt):
+    name, mods = _FABRIC
+    return any(c.__name__ == name and c.__module__.startswith(mods) for c in type(opt).__mro__)
 
 
 def _by_device(params, grads, devices):

@@ -8,7 +8,9 @@ once and clips what is stepped (before the fix, foreach AdamW was unscaled twice
 stepped unclipped, silently). Covers: foreach and fused AdamW with injected overflows (one
 consecutive pair, so hysteresis shows) against the same loop written on ampx directly, bit for
 bit; Fabric's own clip (``fabric.clip_gradients``) with a foreach optimizer against torch's
-scaler in the same plugin. Tested with lightning 2.6.6.
+scaler in the same plugin (a parity check: Fabric unwraps before clipping); ``scaler.step`` on
+Fabric's optimizer going through Fabric (strategy, callbacks) when the scaler is driven by hand,
+and refused while Fabric's plugin drives it. Tested with lightning 2.6.6.
 """
 import pytest
 import torch
@@ -104,3 +106,49 @@ def test_fabrics_own_clip_with_ampx_matches_torchs_scaler():
     for p, q in zip(got, want):
         assert torch.equal(p, q)
     assert ampx_scaler.get_scale() == torch_scaler.get_scale() == 2.0**8
+
+
+def test_scaler_step_on_fabrics_optimizer_goes_through_fabric():
+    """Outside Fabric's precision plugin (precision "32-true", the scaler driven by hand),
+    scaler.step(fabric_optimizer) steps through Fabric's wrapper, as torch's scaler does: the
+    strategy steps and Fabric's callbacks run (not on a skipped step); the parameters are the
+    direct loop's."""
+    class Counts:
+        def __init__(self):
+            self.after = 0
+
+        def on_after_optimizer_step(self, strategy, optimizer):
+            self.after += 1
+
+    counts = Counts()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    f = Fabric(accelerator="cpu", devices=1, precision="32-true", callbacks=[counts])
+    model, opt = f.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2, foreach=True))
+    scaler = _scaler()
+    for step, (x, y) in enumerate(_data()):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        f.backward(scaler.scale(torch.nn.functional.mse_loss(out.float(), y)))
+        _inject(model, step)
+        scaler.clip_grad_norm_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+    assert counts.after == len(_data()) - len(INF_AT)
+    want = _run_direct("foreach", _scaler())
+    for p, q in zip(model.parameters(), want):
+        assert torch.equal(p.detach(), q)
+
+
+def test_scaler_step_is_refused_when_fabrics_plugin_drives_the_scaler():
+    scaler = _scaler()
+    f, model, opt = _setup("foreach", scaler, True)
+    x, y = _data()[0]
+    f.backward(torch.nn.functional.mse_loss(model(x).float(), y))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"call optimizer\.step\(\)"):
+        scaler.step(opt)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    opt.step()  # the way Fabric steps: its plugin calls scaler.step and update
+    assert scaler.stats()["steps"] == 1
