@@ -338,8 +338,6 @@ int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *seq, int
         goto error;
     for (Py_ssize_t i = 0; i < L->n; i++) {
         PyObject *t = tlist_item(L, i);
-        if (t == NULL)
-            goto error;
         if (shim)
             prefetch_ahead(st, L, i);
         ampx_tensor *d = &L->ts[i];
