@@ -615,9 +615,11 @@ def resolve_optimizer(optimizer, method, needs="param_groups"):
     for clipping, the inner optimizer in the framework's own step): nothing is unscaled twice.
     Followed: an object that is not a ``torch.optim.Optimizer`` but whose ``.optimizer`` is one
     (Lightning's ``LightningOptimizer`` and the like), Accelerate's ``AcceleratedOptimizer`` and
-    Lightning Fabric's ``_FabricOptimizer`` (Optimizer subclasses that only delegate; recognised
-    by name, so neither framework is ever imported). Never followed: any other Optimizer
-    subclass, whose own ``step`` may do work (``ampx.MasterWeights``, Lookahead-style wrappers).
+    Lightning Fabric's ``_FabricOptimizer`` (Optimizer subclasses wrapping the optimizer whose
+    gradients count; recognised by name, so neither framework is ever imported; ``step`` still
+    steps Fabric's through the wrapper: ``GradScaler._fabric_stepper``). Never followed: any
+    other Optimizer subclass, whose own ``step`` may do work (``ampx.MasterWeights``,
+    Lookahead-style wrappers).
 
     Raises TypeError naming ``method`` when the object is no optimizer at all (it lacks
     ``needs``: ``param_groups``, or for a disabled scaler's step only ``step``) and wraps none.
@@ -687,14 +689,17 @@ _FABRIC = ("_FabricOptimizer", ("lightning.fabric.", "lightning_fabric."))
 _DELEGATING = (("AcceleratedOptimizer", ("accelerate.",)), _FABRIC)
 
 
+def _has_class(opt, name, modules):
+    """Whether a class named `name` from a module starting with one of `modules` is in opt's MRO."""
+    return any(c.__name__ == name and c.__module__.startswith(modules) for c in type(opt).__mro__)
+
+
 def _is_delegating_wrapper(opt):
-    return any(c.__name__ == name and c.__module__.startswith(mods)
-               for c in type(opt).__mro__ for name, mods in _DELEGATING)
+    return any(_has_class(opt, *wrapper) for wrapper in _DELEGATING)
 
 
 def _is_fabric_wrapper(opt):
-    name, mods = _FABRIC
-    return any(c.__name__ == name and c.__module__.startswith(mods) for c in type(opt).__mro__)
+    return _has_class(opt, *_FABRIC)
 
 
 def _by_device(params, grads, devices):
