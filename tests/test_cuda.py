@@ -768,6 +768,19 @@ def test_emulated_spans_flag_inputs_not_outputs(emulator, rng):
         assert_exactly_equal(x, y)
 
 
+def test_span_tables_threshold_setting():
+    """The launches span tables must save: returned when replaced; a negative count is refused
+    and changes nothing."""
+    prev = _C._set_span_tables_min_launches(7)
+    try:
+        assert _C._set_span_tables_min_launches(prev) == 7
+        with pytest.raises(ValueError, match="_set_span_tables_min_launches: the count must be >= 0"):
+            _C._set_span_tables_min_launches(-1)
+        assert _C._set_span_tables_min_launches(prev) == prev
+    finally:
+        _C._set_span_tables_min_launches(prev)
+
+
 _EDGE_FACTORS = [0.37, 1.0, 1 - 2.0**-40, 1 + 2.0**-40, 2.0, 1e-40, 1e-50, 0.0, -0.0, -1.0, math.inf, math.nan]
 
 
