@@ -14,7 +14,10 @@ half of the single-process test's batch, so the two together take the same sampl
 - "late": the inf enters rank 1's gradient only, after DDP's all-reduce (at the end of
   ``training_step``: backward done, the Trainer's clip still to come), so only an agreement
   between the ranks' scalers could make rank 0 skip; then the same injection in a DDP loop on
-  ``torch.amp.GradScaler``, for comparison.
+  ``torch.amp.GradScaler``, for comparison;
+- "resume": a run with ampx settings of its own saves a checkpoint at step 3 (the Trainer
+  writes scaler.pt from rank 0 only); a second Trainer, given ampx's defaults, resumes from it
+  on both ranks.
 
 For each mode each rank writes OUTDIR/<mode>-rank<r>.json (what it saw at every step, its
 training logs, the overflow report) and OUTDIR/<mode>-rank<r>.pt (its parameters at the end).
@@ -50,15 +53,16 @@ def _rank():
 class Watch(TrainerCallback):
     """Per optimizer step: skipped or not and the LR after it; with a GradBuffer, whether every
     gradient is a view of it when the optimizer is about to step; the dtype the probed layer
-    computes in. ``inject``: the inf enters NAME's gradient at INF_STEP, before the all-reduce."""
+    computes in. An inf enters NAME's gradient before the all-reduce on ``inf_steps`` (counted
+    from the start of this ``train()``)."""
 
-    def __init__(self, inject, accum):
-        self.inject, self.accum, self.trainer = inject, accum, None
+    def __init__(self, inf_steps, accum):
+        self.inf_steps, self.accum, self.trainer = inf_steps, accum, None
         self.rows, self.views, self.dtypes = [], [], set()
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if self.inject:
-            InfAt(dict(model.named_parameters())[NAME], [INF_STEP], self.accum)
+        if self.inf_steps:
+            InfAt(dict(model.named_parameters())[NAME], self.inf_steps, self.accum)
         model.get_submodule(PROBE).register_forward_hook(lambda mod, inp, out: self.dtypes.add(str(out.dtype)))
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, model=None, **kwargs):
@@ -84,17 +88,22 @@ class LateInfTrainer(Trainer):
         return loss
 
 
-def _trainer(out_dir, mode):
-    accum = 2 if mode.startswith("accum") else 1
-    args = TrainingArguments(
-        os.path.join(out_dir, mode), use_cpu=True, ddp_backend="gloo", fp16=True, report_to=[],
-        disable_tqdm=True, max_steps=STEPS, per_device_train_batch_size=PER_RANK,
-        gradient_accumulation_steps=accum, learning_rate=1e-2, max_grad_norm=0.5, logging_steps=1,
-        save_strategy="no", train_sampling_strategy="sequential")
-    watch = Watch(inject=mode != "late" and _rank() == 1, accum=accum)
-    cls = LateInfTrainer if mode == "late" else Trainer
+# mode: what its Trainer run changes from the plain one
+MODES = {"plain": {}, "buffer": {"grad_buffer": True}, "accum": {"accum": 2},
+         "accum-buffer": {"accum": 2, "grad_buffer": True}, "late": {"late": True, "inf_steps": ()}}
+RESUME_SCALER = {"init_scale": 2.0**10, "growth_interval": 2, "hysteresis": 2}
+
+
+def _trainer(out_dir, *, accum=1, inf_steps=(INF_STEP,), late=False, grad_buffer=False, scaler=SCALER, **extra):
+    """A Trainer on this rank's half batches; rank 1 alone gets the inf on ``inf_steps``."""
+    args = TrainingArguments(out_dir, **{**dict(
+        use_cpu=True, ddp_backend="gloo", fp16=True, report_to=[], disable_tqdm=True, max_steps=STEPS,
+        per_device_train_batch_size=PER_RANK, gradient_accumulation_steps=accum, learning_rate=1e-2,
+        max_grad_norm=0.5, logging_steps=1, save_strategy="no", train_sampling_strategy="sequential"), **extra})
+    watch = Watch(inf_steps if _rank() == 1 else (), accum)
+    cls = LateInfTrainer if late else Trainer
     trainer = cls(model=_model(), args=args, train_dataset=_data(BATCH * accum * 8), callbacks=[watch],
-                  ampx_scaler=SCALER, ampx_grad_buffer=mode.endswith("buffer"))
+                  ampx_scaler=scaler, ampx_grad_buffer=grad_buffer)
     trainer.model_accepts_loss_kwargs = False  # a per-batch mean loss, as the single-process tests
     watch.trainer = trainer
     return trainer, watch
@@ -103,17 +112,18 @@ def _trainer(out_dir, mode):
 def run_trainer(out_dir, mode):
     """One Trainer run; returns the trainer and what this rank saw."""
     reset_accelerate()  # each run its own Accelerate state; the process group stays
-    trainer, watch = _trainer(out_dir, mode)
+    trainer, watch = _trainer(os.path.join(out_dir, mode), **MODES[mode])
     with count_clips() as clips:
         trainer.train()
     acc = trainer.accelerator
-    report = acc.scaler.overflow_report()
+    scaler = acc.scaler if is_patched(acc) else None  # None: the test says so rather than this rank crash
+    report = scaler and scaler.overflow_report()
     return trainer, {
         "ampx_file": ampx.__file__, "world": acc.num_processes, "dist_world": dist.get_world_size(),
         "kind": acc.distributed_type.name, "patched": is_patched(acc), "clips": len(clips),
         "ddp": isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel),
         "dtypes": sorted(watch.dtypes), "rows": watch.rows, "views": watch.views,
-        "report": report.inf if report else None, "scale": acc.scaler.get_scale(),
+        "report": report.inf if report else None, "scale": scaler and scaler.get_scale(),
         "logs": [h for h in trainer.state.log_history if "loss" in h],
     }
 
@@ -142,9 +152,30 @@ def torch_scaler_late_inf():
     return skipped
 
 
+def run_resume(out_dir):
+    """A run saving a checkpoint at step 3 (rank 0 writes scaler.pt), then a Trainer with ampx's
+    defaults resuming from it on both ranks: returns the resumed trainer and what it saw."""
+    reset_accelerate()
+    full, _ = _trainer(os.path.join(out_dir, "full"), inf_steps=(1, 4), scaler=RESUME_SCALER,
+                       save_strategy="steps", save_steps=3)
+    full.train()
+    reset_accelerate()
+    resumed, watch = _trainer(os.path.join(out_dir, "resumed"), inf_steps=(1,), scaler={})  # step 4 of the run
+    resumed.train(resume_from_checkpoint=os.path.join(out_dir, "full", "checkpoint-3"))
+    scaler = resumed.accelerator.scaler
+    return resumed, {
+        "rows": watch.rows, "hysteresis": scaler.state_dict()["hysteresis"], "skipped_steps": scaler.stats()["skipped_steps"],
+        "scale": scaler.get_scale(), "full_scale": full.accelerator.scaler.get_scale(),
+        "same_as_full": all(torch.equal(p, q) for p, q in zip(resumed.model.parameters(), full.model.parameters())),
+    }
+
+
 def main(out_dir, *modes):
     for mode in modes:
-        trainer, seen = run_trainer(out_dir, mode)
+        if mode == "resume":
+            trainer, seen = run_resume(os.path.join(out_dir, mode))
+        else:
+            trainer, seen = run_trainer(out_dir, mode)
         if mode == "late":
             seen["torch_skipped"] = torch_scaler_late_inf()
         stem = os.path.join(out_dir, f"{mode}-rank{_rank()}")

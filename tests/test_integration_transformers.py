@@ -19,7 +19,8 @@ the stock Trainer runs in float32 on the CPU) and bf16, against the same loop wr
   end bit-identical; with gradient accumulation too; ``ampx_grad_buffer=True`` keeps every
   gradient a view of the buffer and is bit for bit the run without; the 2-rank run follows one
   process on the whole batch (same skips, scales and LRs; losses and norms to 1e-3, the
-  parameters' total update to 5%). An inf entering one rank's gradient after the all-reduce is
+  parameters' total update to 5%); resuming from a checkpoint (scaler.pt written by rank 0)
+  restores ampx's settings on both ranks and ends where the uninterrupted run did. An inf entering one rank's gradient after the all-reduce is
   skipped on that rank only, by ampx as by torch's GradScaler: ampx's DDP default issues no
   collective (README, "Sharded gradients").
 """
@@ -245,8 +246,8 @@ def test_mixin_composes_with_any_trainer_class(tmp_path, fresh_accelerate):
 
 # ---- DDP: 2 gloo processes on the CPU --------------------------------------------------------
 
-DDP_MODES = ("plain", "buffer", "accum", "accum-buffer", "late")
 TRAINED = ("plain", "buffer", "accum", "accum-buffer")  # the inf enters before the all-reduce
+DDP_MODES = TRAINED + ("late", "resume")  # _transformers_ddp_worker.py says what each runs
 SCALES = [2.0**10, 2.0**10, 2.0**9, 2.0**9, 2.0**9, 2.0**10]  # halved at INF_STEP, grown 3 clean steps on
 needs_dist = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
 
@@ -305,8 +306,8 @@ def _assert_same_bits(a, b):
 
 @needs_dist
 def test_ddp_trainer_runs_ampx_on_a_ddp_model_over_two_ranks(ddp_runs):
-    for ranks in ddp_runs.values():
-        for seen in ranks:
+    for mode in TRAINED + ("late",):
+        for seen in ddp_runs[mode]:
             assert seen["ampx_file"] == ampx.__file__  # the workers ran this checkout's ampx
             assert seen["world"] == seen["dist_world"] == 2 and seen["kind"] == "MULTI_CPU"
             assert seen["ddp"] and seen["patched"]
@@ -375,3 +376,16 @@ def test_ddp_an_inf_after_the_all_reduce_is_skipped_only_where_it_is(ddp_runs):
     assert rank1["torch_skipped"] == [i == INF_STEP for i in range(STEPS)]
     assert rank0["scale"] != rank1["scale"]
     assert any(not torch.equal(rank0["params"][n], rank1["params"][n]) for n in rank0["params"])
+
+
+@needs_dist
+def test_ddp_resume_restores_ampx_settings_on_both_ranks(ddp_runs):
+    """The Trainer writes scaler.pt from rank 0 only and both ranks load it: the run's settings
+    come back (the resumed Trainer was given ampx's defaults) and it ends where the uninterrupted
+    run did, on both ranks alike."""
+    for seen in ddp_runs["resume"]:
+        assert seen["hysteresis"] == 2 and seen["skipped_steps"] == 1
+        assert [r["skipped"] for r in seen["rows"]] == [False, True, False]  # steps 3-5: the inf at 4
+        assert seen["scale"] == seen["full_scale"] and seen["same_as_full"]
+    rank0, rank1 = ddp_runs["resume"]
+    _assert_same_bits(rank0["params"], rank1["params"])
