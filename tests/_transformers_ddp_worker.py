@@ -162,10 +162,13 @@ def run_resume(out_dir):
     reset_accelerate()
     resumed, watch = _trainer(os.path.join(out_dir, "resumed"), inf_steps=(1,), scaler={})  # step 4 of the run
     resumed.train(resume_from_checkpoint=os.path.join(out_dir, "full", "checkpoint-3"))
+    if not is_patched(resumed.accelerator):
+        return resumed, {"patched": False}
     scaler = resumed.accelerator.scaler
     return resumed, {
-        "rows": watch.rows, "hysteresis": scaler.state_dict()["hysteresis"], "skipped_steps": scaler.stats()["skipped_steps"],
-        "scale": scaler.get_scale(), "full_scale": full.accelerator.scaler.get_scale(),
+        "patched": True, "rows": watch.rows, "hysteresis": scaler.state_dict()["hysteresis"],
+        "skipped_steps": scaler.stats()["skipped_steps"], "scale": scaler.get_scale(),
+        "full_scale": full.accelerator.scaler.get_scale(),
         "same_as_full": all(torch.equal(p, q) for p, q in zip(resumed.model.parameters(), full.model.parameters())),
     }
 

@@ -384,7 +384,7 @@ def test_ddp_resume_restores_ampx_settings_on_both_ranks(ddp_runs):
     come back (the resumed Trainer was given ampx's defaults) and it ends where the uninterrupted
     run did, on both ranks alike."""
     for seen in ddp_runs["resume"]:
-        assert seen["hysteresis"] == 2 and seen["skipped_steps"] == 1
+        assert seen["patched"] and seen["hysteresis"] == 2 and seen["skipped_steps"] == 1
         assert [r["skipped"] for r in seen["rows"]] == [False, True, False]  # steps 3-5: the inf at 4
         assert seen["scale"] == seen["full_scale"] and seen["same_as_full"]
     rank0, rank1 = ddp_runs["resume"]
