@@ -10,9 +10,24 @@ the stock Trainer runs in float32 on the CPU) and bf16, against the same loop wr
   (rtol 1e-6) for plain, foreach and fused AdamW; gradient accumulation too;
 - ``resume_from_checkpoint`` mid-run restores ampx's settings and continues the uninterrupted run;
 - the accelerator the Trainer re-creates for a hyperparameter-search trial is patched too, and
-  the Trainer's default optimizer (fused AdamW) holds its schedule on skipped steps.
+  the Trainer's default optimizer (fused AdamW) holds its schedule on skipped steps;
+- DDP over 2 gloo processes (_transformers_ddp_worker.py, one launch for all the runs below),
+  each rank with half the batch: the model is DDP-wrapped over a world of 2, the Trainer's clip
+  is ampx's and fp16 autocast runs; an inf entering rank 1's gradient before the all-reduce
+  makes both ranks skip that step and only it, with the LR held there, the overflow report
+  naming the parameter, and the logs carrying ``loss_scale`` and ``skipped_steps``; both ranks
+  end bit-identical; with gradient accumulation too; ``ampx_grad_buffer=True`` keeps every
+  gradient a view of the buffer and is bit for bit the run without; the 2-rank run follows one
+  process on the whole batch (same skips, scales and LRs; losses and norms to 1e-3, the
+  parameters' total update to 5%); resuming from a checkpoint (scaler.pt written by rank 0)
+  restores ampx's settings on both ranks and ends where the uninterrupted run did. An inf entering one rank's gradient after the all-reduce is
+  skipped on that rank only, by ampx as by torch's GradScaler: ampx's DDP default issues no
+  collective (README, "Sharded gradients").
 """
+import json
 import os
+import socket
+import subprocess
 import sys
 
 import pytest
@@ -227,3 +242,150 @@ def test_mixin_composes_with_any_trainer_class(tmp_path, fresh_accelerate):
     args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], bf16=True, max_steps=1)
     trainer = MyTrainer(model=_model(), args=args, train_dataset=_data(8), ampx_scaler={"hysteresis": 3})
     assert is_patched(trainer.accelerator) and isinstance(trainer.accelerator.scaler, ampx.GradScaler)
+
+
+# ---- DDP: 2 gloo processes on the CPU --------------------------------------------------------
+
+TRAINED = ("plain", "buffer", "accum", "accum-buffer")  # the inf enters before the all-reduce
+DDP_MODES = TRAINED + ("late", "resume")  # _transformers_ddp_worker.py says what each runs
+SCALES = [2.0**10, 2.0**10, 2.0**9, 2.0**9, 2.0**9, 2.0**10]  # halved at INF_STEP, grown 3 clean steps on
+needs_dist = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_env(rank, port):
+    """Rank ``rank``'s environment: torchrun's variables, and this process's ampx first on the path."""
+    root = os.path.dirname(os.path.dirname(ampx.__file__))
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1", PYTHONPATH=path,
+                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+
+def _launch(out_dir, modes):
+    worker = os.path.join(os.path.dirname(__file__), "_transformers_ddp_worker.py")
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, worker, str(out_dir), *modes], env=_rank_env(rank, port),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(2)]
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=180)
+            assert p.returncode == 0, out.decode()[-3000:]
+    finally:
+        for p in procs:  # a rank that failed leaves the other waiting on gloo
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    """{mode: [what rank 0 saw, what rank 1 saw]}, each with its final ``params``."""
+    out = tmp_path_factory.mktemp("trainer_ddp")
+    _launch(out, DDP_MODES)
+    runs = {}
+    for mode in DDP_MODES:
+        runs[mode] = []
+        for rank in range(2):
+            seen = json.loads((out / f"{mode}-rank{rank}.json").read_text())
+            seen["params"] = torch.load(out / f"{mode}-rank{rank}.pt")
+            runs[mode].append(seen)
+    return runs
+
+
+def _assert_same_bits(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@needs_dist
+def test_ddp_trainer_runs_ampx_on_a_ddp_model_over_two_ranks(ddp_runs):
+    for mode in TRAINED + ("late",):
+        for seen in ddp_runs[mode]:
+            assert seen["ampx_file"] == ampx.__file__  # the workers ran this checkout's ampx
+            assert seen["world"] == seen["dist_world"] == 2 and seen["kind"] == "MULTI_CPU"
+            assert seen["ddp"] and seen["patched"]
+            assert seen["clips"] == STEPS  # the Trainer's clip is ampx's fused clip
+            assert seen["dtypes"] == ["torch.float16"]  # fp16 autocast, which stock Accelerate skips on the CPU
+
+
+@needs_dist
+@pytest.mark.parametrize("mode", TRAINED)
+def test_ddp_an_inf_on_one_rank_skips_that_step_on_both(ddp_runs, mode):
+    for seen in ddp_runs[mode]:
+        assert_skipped_only(seen["rows"], INF_STEP)  # the LR held there too
+        assert seen["report"] == [NAME]
+        logs = seen["logs"]
+        assert [h["skipped_steps"] for h in logs] == [int(i >= INF_STEP) for i in range(STEPS)]
+        assert [h["loss_scale"] for h in logs] == SCALES and seen["scale"] == SCALES[-1]
+    rank0, rank1 = ddp_runs[mode]
+    _assert_same_bits(rank0["params"], rank1["params"])
+
+
+@needs_dist
+@pytest.mark.parametrize("plain, buffered", [("plain", "buffer"), ("accum", "accum-buffer")])
+def test_ddp_grad_buffer_keeps_its_views_and_the_run_bit_identical(ddp_runs, plain, buffered):
+    """DDP (the Trainer's: no bucket views) copies the averaged gradients into the buffer's views."""
+    for p, b in zip(ddp_runs[plain], ddp_runs[buffered]):
+        assert p["views"] == [] and b["views"] == [True] * STEPS
+        assert b["rows"] == p["rows"] and b["logs"] == p["logs"]
+        _assert_same_bits(b["params"], p["params"])
+
+
+@needs_dist
+def test_ddp_follows_one_process_on_the_whole_batch(ddp_runs, tmp_path, fresh_accelerate):
+    """Each rank's half batch averaged by DDP against one process on both halves: fp16 rounds
+    differently, and AdamW's normalised steps magnify that in parameters with tiny gradients, so
+    the parameters are compared by their total update."""
+    single, record = _trainer(tmp_path, "fp16")  # the Trainer's fused AdamW, as the workers
+    single.train()
+    logs = [h for h in single.state.log_history if "loss" in h]
+    moved = _update(dict(single.model.named_parameters()))
+    for seen in ddp_runs["plain"]:
+        assert seen["rows"] == record.rows  # same skipped step, same LRs
+        assert [h["loss_scale"] for h in seen["logs"]] == [h["loss_scale"] for h in logs]
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(torch.tensor([h[key] for h in seen["logs"]]),
+                                       torch.tensor([h[key] for h in logs]), rtol=1e-3, atol=0, msg=key)
+        assert (_update(seen["params"]) - moved).norm() < 0.05 * moved.norm()
+
+
+def _update(params):
+    """How far the parameters moved from _model()'s, as one flat vector."""
+    start = dict(_model().named_parameters())
+    return torch.cat([(params[n].detach() - start[n].detach()).flatten() for n in start])
+
+
+@needs_dist
+def test_ddp_an_inf_after_the_all_reduce_is_skipped_only_where_it_is(ddp_runs):
+    """An inf that enters one rank's gradient after DDP's all-reduce is seen by that rank's
+    scaler only: with DDP ampx issues no collective (``process_group=None``; the group mode is
+    for sharded gradients, and would count DDP's replicated gradients once per rank in the norm).
+    torch's GradScaler does the same. The scales then differ, and the ranks drift apart."""
+    rank0, rank1 = ddp_runs["late"]
+    assert [r["skipped"] for r in rank0["rows"]] == [False] * STEPS and rank0["report"] is None
+    assert_skipped_only(rank1["rows"], INF_STEP)
+    assert rank1["report"] == [NAME]
+    assert rank0["torch_skipped"] == [False] * STEPS
+    assert rank1["torch_skipped"] == [i == INF_STEP for i in range(STEPS)]
+    assert rank0["scale"] != rank1["scale"]
+    assert any(not torch.equal(rank0["params"][n], rank1["params"][n]) for n in rank0["params"])
+
+
+@needs_dist
+def test_ddp_resume_restores_ampx_settings_on_both_ranks(ddp_runs):
+    """The Trainer writes scaler.pt from rank 0 only and both ranks load it: the run's settings
+    come back (the resumed Trainer was given ampx's defaults) and it ends where the uninterrupted
+    run did, on both ranks alike."""
+    for seen in ddp_runs["resume"]:
+        assert seen["patched"] and seen["hysteresis"] == 2 and seen["skipped_steps"] == 1
+        assert [r["skipped"] for r in seen["rows"]] == [False, True, False]  # steps 3-5: the inf at 4
+        assert seen["scale"] == seen["full_scale"] and seen["same_as_full"]
+    rank0, rank1 = ddp_runs["resume"]
+    _assert_same_bits(rank0["params"], rank1["params"])
