@@ -147,6 +147,19 @@ def test_fsdp_is_refused_by_ampx_where_lightning_lets_it_through():
     assert "FSDPPrecision" in msg and "ShardedGradScaler" in msg and "ModelParallelStrategy" in msg
 
 
+@pytest.mark.parametrize("make", [deepspeed_strategy, LaxFSDP], ids=["deepspeed", "fsdp"])
+def test_both_set_up_hooks_refuse(make):
+    """convert_module is the strategies' first call; connect refuses too, for a strategy whose
+    set-up skips convert_module."""
+    plugin = AmpxPrecision("16-mixed")
+    model = Steps()
+    model.trainer = L.Trainer(accelerator="cpu", devices=1, strategy=make(), plugins=[plugin], logger=False)
+    with pytest.raises(MisconfigurationException, match="AmpxPrecision does not work with"):
+        plugin.convert_module(model)
+    with pytest.raises(MisconfigurationException, match="AmpxPrecision does not work with"):
+        plugin.connect(model, [], [])
+
+
 # ---- ModelParallelStrategy (FSDP2): a sharded scaler --------------------------------------------
 
 def test_model_parallel_refuses_a_given_scaler_without_a_group():
