@@ -14,6 +14,11 @@
   and reported (``enabled=False`` turns that off);
 - ``grad_buffer=True`` gives each optimizer an ``ampx.GradBuffer`` (contiguous gradients) for the fit.
 
+Strategies: single device, DDP, and ``ModelParallelStrategy`` (FSDP2, tensor parallel), where the
+scaler is built sharded over the default group (one all-reduce per step: every rank skips the
+same steps and clips by the global norm). ``FSDPStrategy`` and ``DeepSpeedStrategy`` scale and
+step through their own precision plugins; the plugin refuses them when the fit sets up.
+
 Which Lightning entry points are overridden, and why, is in docs/DESIGN.md ("Lightning").
 Lightning (the ``lightning`` package, 2.4 or later) is imported here, never by ``import ampx``.
 """
@@ -29,6 +34,7 @@ require("lightning.pytorch", "lightning")
 from lightning.pytorch import Callback  # noqa: E402
 from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision  # noqa: E402
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy  # noqa: E402
 from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
@@ -69,6 +75,11 @@ class AmpxPrecision(MixedPrecision):
     Raises:
         ValueError: an unknown ``precision``.
         TypeError: ``scaler`` is not an ``ampx.GradScaler``, or comes with ``scaler_kwargs``.
+
+    When the fit (or validate, test, predict) sets up, before any step, it also raises
+    MisconfigurationException under ``FSDPStrategy`` or ``DeepSpeedStrategy`` (each needs
+    Lightning's own plugin; the message says which), and ValueError under a multi-process
+    ``ModelParallelStrategy`` when the ``scaler`` given has no ``process_group``.
     """
 
     def __init__(self, precision="16-mixed", device=None, scaler=None, *, log_stats=False, grad_buffer=False,
@@ -101,10 +112,19 @@ class AmpxPrecision(MixedPrecision):
 
     # ---- set-up (Lightning calls connect once the model is on its device) --------------------
 
+    def convert_module(self, module):
+        """Refuses a strategy the plugin cannot serve (the first call a strategy's setup makes)."""
+        _refuse_strategy(_strategy_of(module))
+        return super().convert_module(module)
+
     def connect(self, model, optimizers, lr_scheduler_configs):
-        """Settles the device from the model, and makes the step schedulers hold on skipped steps."""
-        if not self._device_given:
-            self._settle_device(model)
+        """Refuses a strategy the plugin cannot serve, settles the device from the model, shards
+        the scaler under ModelParallelStrategy, and makes the step schedulers hold on skipped
+        steps."""
+        strategy = _strategy_of(model)
+        _refuse_strategy(strategy)
+        device = self.device if self._device_given else _model_device(model, self.device)
+        self._settle_scaler(device, _shards_gradients(strategy))
         self._last_skipped.clear()  # (ids of another fit's optimizers may be reused)
         if self.precision == "16-mixed" and self.device == "cpu":
             log.info("ampx: 16-mixed on the CPU runs float16 autocast with ampx's loss scaler "
@@ -124,11 +144,22 @@ class AmpxPrecision(MixedPrecision):
             if id(opt) not in self.grad_buffers:  # replace: another plugin's or trainer's buffer
                 self.grad_buffers[id(opt)] = GradBuffer(opt, replace=True)
 
-    def _settle_device(self, model):
-        param = next(iter(model.parameters()), None)
-        device = self.device if param is None else param.device.type
-        if device != self.device and not self._scaler_given:
-            self.scaler = GradScaler(device, **self._scaler_kwargs)  # nothing stepped yet
+    def _settle_scaler(self, device, sharded):
+        """Rebuilds the plugin's own scaler (nothing stepped yet) for the model's device and, when
+        the gradients are sharded, over the default group; a scaler the user gave must already be
+        sharded then."""
+        unsharded = self.scaler.process_group is None
+        if self._scaler_given:
+            if sharded and unsharded:
+                raise ValueError(
+                    "AmpxPrecision: under ModelParallelStrategy each rank holds a shard of the gradients, and "
+                    "the scaler passed has no process_group, so ranks would skip different steps and clip by "
+                    "their own shard's norm. Leave scaler out (the plugin then builds one over the default "
+                    "group) and pass ampx.GradScaler's settings as keywords, or pass "
+                    "ampx.GradScaler(process_group=...)")
+        elif device != self.device or (sharded and unsharded):
+            group = torch.distributed.group.WORLD if sharded else None
+            self.scaler = GradScaler(device, process_group=group, **self._scaler_kwargs)
         self.device = device
 
     def teardown(self):
@@ -230,14 +261,31 @@ class AmpxPrecision(MixedPrecision):
                 return
 
 
-def _fitting(model):
-    """Whether the trainer that connects the plugin is fitting (Lightning keeps the last fit's
-    optimizers for validate/test/predict, which need no gradient buffer). True when unknown."""
+def _trainer_of(model):
+    """The Trainer of the LightningModule ``model`` is or wraps (DDP's ``.module``), or None."""
     for m in (model, getattr(model, "module", None), getattr(getattr(model, "module", None), "module", None)):
         trainer = getattr(m, "_trainer", None)
         if trainer is not None:
-            return getattr(getattr(trainer, "state", None), "fn", "fit") == "fit"
-    return True
+            return trainer
+    return None
+
+
+def _strategy_of(model):
+    return getattr(_trainer_of(model), "strategy", None)
+
+
+def _fitting(model):
+    """Whether the trainer that connects the plugin is fitting (Lightning keeps the last fit's
+    optimizers for validate/test/predict, which need no gradient buffer). True when unknown."""
+    trainer = _trainer_of(model)
+    if trainer is None:
+        return True
+    return getattr(getattr(trainer, "state", None), "fn", "fit") == "fit"
+
+
+def _model_device(model, default):
+    param = next(iter(model.parameters()), None)
+    return default if param is None else param.device.type
 
 
 def _unwrap(optimizer):
@@ -257,6 +305,49 @@ def _hooks_read_gradients(model):
     trainer = getattr(model, "_trainer", None)
     callbacks = trainer.callbacks if trainer is not None else []
     return any(is_overridden("on_before_optimizer_step", cb, Callback) for cb in callbacks)
+
+
+# ---- strategies ---------------------------------------------------------------------------------
+# Lightning pairs FSDPStrategy and DeepSpeedStrategy with precision plugins of their own. FSDP's
+# setter refuses any other (a TypeError when the Trainer is built), but a subclass may lift that;
+# DeepSpeed's takes any plugin, and then its engine scales and steps in its own way while the
+# plugin scales and steps around it (measured: crashes mid-step, or DeepSpeed's own errors, never a
+# clear word). ModelParallelStrategy (FSDP2, tensor parallel) takes any plugin too; it needs the
+# scaler sharded, which the plugin does itself (see _shards_gradients).
+
+_REFUSED = (
+    (DeepSpeedStrategy,
+     "DeepSpeed's engine runs the backward, its own loss scaling and the optimizer step, so ampx's "
+     "scaler would scale on top of it or step around it. Leave AmpxPrecision out and pass "
+     "precision='16-mixed' or 'bf16-mixed' (Lightning's DeepSpeedPrecision); to give DeepSpeed's "
+     "scaler ampx's settings, pass DeepSpeedStrategy(config=ampx.Policy('fp16', ...)"
+     ".deepspeed_config({...}))."),
+    (FSDPStrategy,
+     "FSDP shards and reduces the gradients itself and clips through its root module, which a "
+     "MixedPrecision plugin cannot do. Leave AmpxPrecision out and pass precision='16-mixed' or "
+     "'bf16-mixed' (Lightning's FSDPPrecision), with FSDPStrategy(mixed_precision=ampx.Policy(...)"
+     ".fsdp_mixed_precision()) for ampx's dtypes and, for ampx's one-collective scaler, "
+     "plugin.scaler = ampx.ShardedGradScaler() on an FSDPPrecision('16-mixed'); or use "
+     "ModelParallelStrategy (FSDP2), under which AmpxPrecision works."),
+)
+
+
+def _refuse_strategy(strategy):
+    """Raises MisconfigurationException, naming the strategy and what to use instead, when
+    ``strategy`` is one whose gradients and steps AmpxPrecision cannot handle correctly."""
+    for cls, why in _REFUSED:
+        if isinstance(strategy, cls):
+            raise MisconfigurationException(
+                f"AmpxPrecision does not work with {type(strategy).__name__} ({cls.__name__}): {why}")
+
+
+def _shards_gradients(strategy):
+    """Whether each rank holds only a shard of the gradients, so that the scaler must agree over
+    the default group: a multi-process ModelParallelStrategy, whose gradients are DTensor shards
+    (FSDP2 over the data-parallel dimension, tensor parallelism over the other: each element
+    lives on one rank; a gradient replicated across ranks is refused by the scaler's clip, never
+    counted twice). Not DDP: its gradients are identical on every rank after the all-reduce."""
+    return isinstance(strategy, ModelParallelStrategy) and strategy.world_size > 1
 
 
 # ---- holding the LR schedule on skipped steps ---------------------------------------------------
