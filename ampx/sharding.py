@@ -92,22 +92,49 @@ def _all_reduce(buf, op, group):
 
 
 def check_sharded_placements(grad, name, index, group):
-    """A norm summed over ``group`` counts each element once only if no gradient is replicated
-    (or pending a reduction) across a mesh dimension that shares more than one rank with the
-    group. HSDP's replicate dimension is fine when the group is the shard dimension's."""
+    """A norm summed over ``group`` counts each element of this DTensor gradient exactly once
+    only if the group's ranks hold one copy of every shard between them:
+
+    * every rank of the group lies in the gradient's device mesh: a rank outside it holds a
+      copy of its own (a gradient on a sub-mesh, e.g. FSDP2's data-parallel dimension under
+      tensor parallelism, repeated on each tensor-parallel rank), which the sum would add again;
+    * along a mesh dimension the group spans, the gradient is sharded (not replicated, nor a
+      partial sum pending its reduction);
+    * along a dimension it is sharded over, the group holds every shard (a group spanning part
+      of it would leave the other shards out of the norm).
+
+    HSDP's replicate dimension is fine when the group is the shard dimension's. Raises
+    ValueError naming the parameter otherwise."""
     import torch.distributed as dist
     from torch.distributed.tensor import Shard
 
     mesh = grad.device_mesh
     ours = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    who = name or f"param[{index}]"
+    outside = ours.difference(mesh.mesh.flatten().tolist())
+    if outside:
+        raise ValueError(
+            f"ampx.GradScaler(process_group=...): the gradient of {who} lives on a device mesh of "
+            f"{mesh.size()} rank(s) that leaves out rank(s) {sorted(outside)} of the scaler's group, which hold "
+            "their own copies of it, so a norm summed over the group would count it more than once. Shard it "
+            "over a mesh that spans the scaler's group (e.g. fully_shard the module on the whole mesh, or "
+            "parallelize it over the tensor-parallel dimension too), or give the scaler the group of the mesh "
+            "the gradients are sharded over")
     for dim, placement in enumerate(grad.placements):
-        if isinstance(placement, Shard) or mesh.size(dim) < 2:
+        if mesh.size(dim) < 2:
             continue
-        if len(ours.intersection(dist.get_process_group_ranks(mesh.get_group(dim)))) > 1:
-            who = name or f"param[{index}]"
+        along = set(dist.get_process_group_ranks(mesh.get_group(dim)))
+        shared = len(ours.intersection(along))
+        if not isinstance(placement, Shard) and shared > 1:
             raise ValueError(
                 f"ampx.GradScaler(process_group=...): the gradient of {who} is {type(placement).__name__} over mesh "
                 f"dimension {dim} (size {mesh.size(dim)}), which the scaler's group spans, so a norm "
                 "summed over the group would count it more than once; pass the group across which "
                 "gradients are sharded (for HSDP, the shard dimension's group), or leave "
                 "process_group None when gradients are replicated")
+        if isinstance(placement, Shard) and not along <= ours:
+            raise ValueError(
+                f"ampx.GradScaler(process_group=...): the gradient of {who} is sharded over mesh dimension {dim} "
+                f"(ranks {sorted(along)}), but the scaler's group holds only {shared} of those ranks, so a norm "
+                "summed over the group would leave the other shards out; pass a group that spans every "
+                "dimension the gradients are sharded over")

@@ -314,8 +314,43 @@ def scenario_ddp(rank, world):
     return rec
 
 
+def _clip_refusal(model, group):
+    """What the clip of a scaler agreeing over ``group`` says of the model's gradients: the
+    ValueError's message, or None if it clipped."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampx.GradScaler("cpu", init_scale=4.0, process_group=group)
+    scaler.scale(model(torch.ones(2, model.in_features)).square().sum()).backward()
+    try:
+        scaler.clip_grad_norm_(opt, 1.0)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def scenario_mesh_checks(rank, world):
+    """Layouts whose norm summed over the scaler's group would be wrong, each refused by the
+    clip: a gradient on a sub-mesh (FSDP2 over a data-parallel dimension of 1 under tensor
+    parallelism over every rank: each rank holds a whole copy), and, with 4 ranks, a group of
+    2 that holds only half the shards of a gradient sharded over all 4."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    sub = torch.nn.Linear(4, 4)
+    fully_shard(sub, mesh=mesh["dp"])
+    rec = {"submesh": _clip_refusal(sub, dist.group.WORLD)}
+    whole = torch.nn.Linear(8, 8)
+    fully_shard(whole, mesh=init_device_mesh("cpu", (world,)))
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank makes every group
+    rec["partial"] = _clip_refusal(whole, pairs[rank // 2]) if world >= 4 else None
+    opt = torch.optim.SGD(whole.parameters(), lr=0.1)
+    opt.zero_grad(set_to_none=True)
+    rec["whole"] = _clip_refusal(whole, dist.group.WORLD)  # the right group: clipped
+    return rec
+
+
 SCENARIOS = {"manual": scenario_manual, "fsdp2": scenario_fsdp2, "fsdp1": scenario_fsdp1, "ddp": scenario_ddp,
-             "hsdp": scenario_hsdp}
+             "hsdp": scenario_hsdp, "mesh_checks": scenario_mesh_checks}
 
 
 def run(rank, world, store, out_dir, names):

@@ -20,7 +20,8 @@ import _dist_workers as W  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 
-SCENARIOS_BY_WORLD = {2: ["manual", "fsdp2", "fsdp1", "ddp"], 4: ["manual", "fsdp2", "fsdp1", "hsdp"]}
+SCENARIOS_BY_WORLD = {2: ["manual", "fsdp2", "fsdp1", "ddp", "mesh_checks"],
+                      4: ["manual", "fsdp2", "fsdp1", "hsdp", "mesh_checks"]}
 
 
 @pytest.fixture(scope="module", params=sorted(SCENARIOS_BY_WORLD))
@@ -111,6 +112,19 @@ def test_hsdp_norm_needs_the_shard_group(world_results):
     world, recs = _scenario(world_results, "hsdp")
     for rec in recs:
         assert rec["refused"] is not None and "Replicate" in rec["refused"], rec["refused"]
+
+
+def test_norm_refuses_a_sub_mesh_and_a_group_with_part_of_the_shards(world_results):
+    """A gradient on a sub-mesh (each rank a whole copy) would be counted once per rank; a group
+    holding half the shards would leave the rest out. Both refused, naming why; the group that
+    spans the mesh clips."""
+    world, recs = _scenario(world_results, "mesh_checks")
+    for rec in recs:
+        assert rec["submesh"] is not None and "leaves out rank(s)" in rec["submesh"], rec["submesh"]
+        assert "weight" in rec["submesh"] or "param[0]" in rec["submesh"]
+        if world >= 4:
+            assert rec["partial"] is not None and "leave the other shards out" in rec["partial"], rec["partial"]
+        assert rec["whole"] is None
 
 
 # ---- single process ------------------------------------------------------------------------
