@@ -12,7 +12,7 @@ starts the second rank once, at the first fit):
   of one gradient on rank 0 only, at step BAD_STEP (after backward: nothing else would carry it
   to rank 1).
 
-Each rank writes OUTDIR/<fit>-rank<r>.json: the full parameters, the steps it skipped, the
+Each rank writes OUTDIR/<fit>-rank<r>.json: the full parameters, its own shards of them, the steps it skipped, the
 scaler's scale, norm and group, the scheduler's last_epoch.
 """
 import json
@@ -64,6 +64,7 @@ def fit(name, plugin, outdir, inject_at=()):
     trainer.fit(model, torch.utils.data.DataLoader(batches(STEPS), batch_size=None))
     full = [p.full_tensor() for p in model.parameters()]  # a collective: every rank, same order
     out = {"params": [p.detach().double().flatten().tolist() for p in full],
+           "local": [p.to_local().detach().double().flatten().tolist() for p in model.parameters()],
            "last_epoch": trainer.lr_scheduler_configs[0].scheduler.last_epoch}
     if isinstance(plugin, AmpxPrecision):
         stats = plugin.scaler.stats()

@@ -4,7 +4,10 @@
   group, so ranks agree on skipped steps and clip by the global norm
   (tests/_lightning_model_parallel_worker.py, 2 gloo processes): parameters match Lightning's own
   MixedPrecision with the same clip, and an inf in one rank's shard skips that step on both.
-  A scaler given without a process_group is refused at set-up.
+  A scaler given without a process_group is refused at set-up, as is a sharded set-up without a
+  process group; a sharded clip refuses a plain (unparallelized) parameter; a plugin reused under
+  another strategy drops its group (keeping its scale), and a grouped scaler given under DDP is
+  refused.
 - DeepSpeedStrategy: Lightning accepts the plugin; ampx refuses it when the fit sets up, before
   any step (a real fit, in this process: the strategy below skips Lightning's CUDA check and the
   process group, which the plugin's set-up does not need).
@@ -186,14 +189,16 @@ def test_model_parallel_ranks_agree_and_match_lightnings_own_plugin(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = {name: [json.loads((tmp_path / f"{name}-rank{r}.json").read_text()) for r in range(2)]
             for name in ("stock", "ampx", "inf")}
-    for ranks in runs.values():
-        assert ranks[0]["params"] == ranks[1]["params"]
-    # bf16, clipped by norm: the same parameters as Lightning's own plugin (torch's DTensor clip)
-    for ours, stock in zip(runs["ampx"][0]["params"], runs["stock"][0]["params"]):
-        torch.testing.assert_close(torch.tensor(ours), torch.tensor(stock), rtol=1e-5, atol=1e-7)
+    # bf16, clipped by norm: each rank's own shards as Lightning's own plugin left them (torch's
+    # DTensor clip); the full parameters are gathered, so they are the same on both ranks anyway
+    for r in range(2):
+        assert runs["ampx"][r]["local"] != runs["inf"][r]["local"]  # (the shards differ between fits)
+        for ours, stock in zip(runs["ampx"][r]["local"], runs["stock"][r]["local"]):
+            torch.testing.assert_close(torch.tensor(ours), torch.tensor(stock), rtol=1e-5, atol=1e-7)
     for r in runs["ampx"] + runs["inf"]:
         assert r["sharded"]
     assert runs["ampx"][0]["norm"] == runs["ampx"][1]["norm"]  # the global norm, on both ranks
+    assert runs["ampx"][0]["norm"] > 0.05  # above gradient_clip_val: the clip changed the step
     # fp16 (which Lightning's own plugin refuses here): the inf in rank 0's shard skips that step
     # on both ranks, once; the schedule holds once (12 steps, 11 scheduler steps)
     for r in runs["inf"]:
@@ -202,3 +207,52 @@ def test_model_parallel_ranks_agree_and_match_lightnings_own_plugin(tmp_path):
         assert r["scale"] == 2.0**16  # hysteresis 2: one overflow does not back off
         assert all(torch.isfinite(torch.tensor(p)).all() for p in r["params"])
     assert runs["inf"][0]["norm"] == runs["inf"][1]["norm"]
+
+
+def test_model_parallel_needs_a_process_group():
+    """The plugin's own scaler cannot agree over ranks without a process group: refused at set-up
+    (Lightning's launchers make one; a strategy without it would get a silently unsharded scaler)."""
+    with pytest.raises(RuntimeError, match="no default process group"):
+        fit(InProcessModelParallel(data_parallel_size=2, tensor_parallel_size=1), AmpxPrecision("16-mixed"), devices=2)
+
+
+SOME_GROUP = object()  # stands for a process group: these checks refuse before any collective
+
+
+def test_a_sharded_clip_refuses_a_plain_parameter():
+    """A parameter left out of configure_model's parallelization is a plain tensor, whole on every
+    rank: the clip's norm summed over the ranks would count it once per rank."""
+    plugin = AmpxPrecision("16-mixed")
+    plugin.scaler = ampx.GradScaler("cpu", process_group=SOME_GROUP)
+    model = torch.nn.Linear(3, 2)
+    plugin.scaler.watch(model.named_parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 3.0)
+    with pytest.raises(ValueError, match="parameter weight is a plain tensor, not a DTensor"):
+        plugin.clip_gradients(opt, 1.0)
+    assert all(bool((p.grad == 3.0).all()) for p in model.parameters())  # nothing clipped
+
+
+def test_a_reused_plugin_drops_its_group_under_another_strategy():
+    """The plugin's own scaler, sharded for a ModelParallel fit, is rebuilt without the group for a
+    single-device (or DDP) fit, where summing over the ranks would count each gradient once per
+    rank; the scale it reached is kept."""
+    plugin = AmpxPrecision("16-mixed")
+    plugin.scaler = ampx.GradScaler("cpu", init_scale=2.0**10, process_group=SOME_GROUP)
+    model = Steps()
+    model.trainer = L.Trainer(accelerator="cpu", devices=1, plugins=[plugin], logger=False)
+    plugin.connect(model, [], [])
+    assert plugin.scaler.process_group is None
+    assert plugin.scaler.get_scale() == 2.0**10
+
+
+def test_a_given_grouped_scaler_is_refused_where_gradients_are_whole(monkeypatch):
+    import ampx.integrations.lightning as plugin_module
+
+    monkeypatch.setattr(plugin_module, "_group_size", lambda group: 2)  # as under 2-rank DDP
+    plugin = AmpxPrecision("16-mixed", scaler=ampx.GradScaler("cpu", process_group=SOME_GROUP))
+    model = Steps()
+    model.trainer = L.Trainer(accelerator="cpu", devices=1, plugins=[plugin], logger=False)
+    with pytest.raises(ValueError, match="count each gradient once per rank"):
+        plugin.connect(model, [], [])

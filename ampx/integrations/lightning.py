@@ -106,6 +106,7 @@ class AmpxPrecision(MixedPrecision):
         self._no_clip = False  # set while the hooks of a step without backward run
         self._watched = None  # id of the LightningModule whose parameter names the scaler has
         self._held = []  # schedulers this plugin holds on skipped steps
+        self._sharding_checked = set()  # id(optimizer) whose parameters a sharded clip has checked
         self.log_stats = log_stats
         self.grad_buffer = bool(grad_buffer)
         self.grad_buffers = {}  # id(optimizer) -> its GradBuffer, for the current fit
@@ -126,6 +127,7 @@ class AmpxPrecision(MixedPrecision):
         device = self.device if self._device_given else _model_device(model, self.device)
         self._settle_scaler(device, _shards_gradients(strategy))
         self._last_skipped.clear()  # (ids of another fit's optimizers may be reused)
+        self._sharding_checked.clear()
         if self.precision == "16-mixed" and self.device == "cpu":
             log.info("ampx: 16-mixed on the CPU runs float16 autocast with ampx's loss scaler "
                      "(Lightning's own MixedPrecision would switch to bf16)")
@@ -145,21 +147,39 @@ class AmpxPrecision(MixedPrecision):
                 self.grad_buffers[id(opt)] = GradBuffer(opt, replace=True)
 
     def _settle_scaler(self, device, sharded):
-        """Rebuilds the plugin's own scaler (nothing stepped yet) for the model's device and, when
-        the gradients are sharded, over the default group; a scaler the user gave must already be
-        sharded then."""
-        unsharded = self.scaler.process_group is None
+        """Makes the scaler fit this fit: on the model's device and, when the gradients are
+        sharded, agreeing over the default group (and not when they are not: DDP's identical
+        gradients summed over the ranks would count each one once per rank). The plugin's own
+        scaler is rebuilt when it does not fit, keeping its state (a plugin reused for a fit
+        under another strategy); a scaler the user gave is refused instead."""
+        grouped = self.scaler.process_group is not None
         if self._scaler_given:
-            if sharded and unsharded:
+            if sharded and not grouped:
                 raise ValueError(
                     "AmpxPrecision: under ModelParallelStrategy each rank holds a shard of the gradients, and "
                     "the scaler passed has no process_group, so ranks would skip different steps and clip by "
                     "their own shard's norm. Leave scaler out (the plugin then builds one over the default "
                     "group) and pass ampx.GradScaler's settings as keywords, or pass "
                     "ampx.GradScaler(process_group=...)")
-        elif device != self.device or (sharded and unsharded):
+            if grouped and not sharded and _group_size(self.scaler.process_group) > 1:
+                raise ValueError(
+                    "AmpxPrecision: the scaler passed has a process_group, but under this strategy every rank "
+                    "holds the whole gradients (DDP averages them), so a norm summed over the group would "
+                    "count each gradient once per rank. Pass a scaler without process_group (sharded "
+                    "gradients only: ModelParallelStrategy)")
+        elif device != self.device or sharded != grouped:
+            if sharded and not torch.distributed.is_initialized():
+                raise RuntimeError(
+                    "AmpxPrecision: the strategy shards gradients over several processes, but torch.distributed "
+                    "has no default process group, so ranks could not agree on overflow or on the norm; "
+                    "initialise it before the plugin connects (Lightning's own launchers do)")
             group = torch.distributed.group.WORLD if sharded else None
-            self.scaler = GradScaler(device, process_group=group, **self._scaler_kwargs)
+            scaler = GradScaler(device, process_group=group, **self._scaler_kwargs)
+            state = self.scaler.state_dict()  # the scale and tracker so far ({} when disabled)
+            if state:
+                scaler.load_state_dict(state)
+            self.scaler = scaler
+            self._watched = None  # the new scaler has no parameter names yet
         self.device = device
 
     def teardown(self):
@@ -236,6 +256,9 @@ class AmpxPrecision(MixedPrecision):
             return
         optimizer = _unwrap(optimizer)
         if gradient_clip_algorithm == GradClipAlgorithmType.NORM:
+            if self.scaler.process_group is not None and id(optimizer) not in self._sharding_checked:
+                _refuse_plain_parameters(optimizer, self.scaler)
+                self._sharding_checked.add(id(optimizer))
             self.scaler.clip_grad_norm_(optimizer, clip_val)
             if self.scaler.is_enabled():
                 self._unscaled.add(id(optimizer))
@@ -281,6 +304,26 @@ def _fitting(model):
     if trainer is None:
         return True
     return getattr(getattr(trainer, "state", None), "fn", "fit") == "fit"
+
+
+def _refuse_plain_parameters(optimizer, scaler):
+    """Before the first clip by a sharded scaler: every trained parameter must be a DTensor.
+    A plain one (a module left out of configure_model's parallelization) holds a whole copy of
+    its gradient on every rank, which the norm summed over the ranks would add once per rank
+    (its DTensor siblings are checked by the scaler: ampx.sharding.check_sharded_placements)."""
+    for group in optimizer.param_groups:
+        for i, p in enumerate(group["params"]):
+            if p.requires_grad and not hasattr(p, "device_mesh"):
+                who = scaler._param_names.get(id(p)) or f"parameter {i} (shape {tuple(p.shape)})"
+                raise ValueError(
+                    f"AmpxPrecision: under ModelParallelStrategy the parameter {who} is a plain tensor, not a "
+                    "DTensor, so every rank holds a whole copy of its gradient and the clip's norm, summed over "
+                    "the ranks, would count it once per rank. Parallelize or fully_shard the module that holds "
+                    "it in configure_model (nothing was clipped)")
+
+
+def _group_size(group):
+    return torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
 
 
 def _model_device(model, default):
@@ -343,10 +386,14 @@ def _refuse_strategy(strategy):
 
 def _shards_gradients(strategy):
     """Whether each rank holds only a shard of the gradients, so that the scaler must agree over
-    the default group: a multi-process ModelParallelStrategy, whose gradients are DTensor shards
-    (FSDP2 over the data-parallel dimension, tensor parallelism over the other: each element
-    lives on one rank; a gradient replicated across ranks is refused by the scaler's clip, never
-    counted twice). Not DDP: its gradients are identical on every rank after the all-reduce."""
+    the default group: a multi-process ModelParallelStrategy, whose gradients are DTensor shards.
+    Their norm summed over the ranks counts each element once only where the gradient is sharded
+    over every rank (FSDP2 alone, or FSDP2 x TP for the layers parallelized over both
+    dimensions); a gradient repeated on several ranks (Replicate over a mesh dimension, a
+    sub-mesh such as FSDP2's data-parallel one under TP for a layer left out of the TP plan, a
+    plain tensor) is refused at the clip with its name, never counted twice. Overflow agreement
+    needs no such care (a max). Not DDP: its gradients are identical on every rank after the
+    all-reduce."""
     return isinstance(strategy, ModelParallelStrategy) and strategy.world_size > 1
 
 
