@@ -157,6 +157,11 @@ class MasterWeights(torch.optim.Optimizer):
         devices as ``_C.collect_grads`` gives it (None: all on one device)."""
         return _C.collect_grads([{"params": self._model_params + self._others}])
 
+    def _ampx_unscaled_grads(self):
+        """(params, grads, devices) as ``_ampx_grads``, after a scaler's unscale_: the masters'
+        gradients (the cast ones), then those of the parameters stepped as they are."""
+        return _C.collect_grads([{"params": self._masters + self._others}])
+
     def _ampx_cast_grads_(self, factor=None, found_inf=None, flags=None):
         """Model gradients -> master gradients (times ``factor``, checked into found_inf/flags)
         in one kernel call; the other parameters' gradients are scaled in place. flags, if

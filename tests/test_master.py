@@ -158,7 +158,10 @@ def test_fp16_masters_with_the_scaler_skip_overflows_and_match_unscaled_math():
     assert scaler.overflow_report().inf == ["w"]
 
 
-def test_clip_with_masters_equals_torch_clip_of_the_fp32_gradients():
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["clip", "unscale-then-clip"])
+def test_clip_with_masters_equals_torch_clip_of_the_fp32_gradients(unscale_first):
+    """Also after unscale_, which leaves the unscaled values in the masters' gradients (the
+    model's stay scaled): the norm is theirs (it once read the model's, init_scale times too big)."""
     torch.manual_seed(2)
     ps = [torch.nn.Parameter(torch.randn(n).to(torch.bfloat16)) for n in (100, 3, 1000)]
     extra = torch.nn.Parameter(torch.randn(10))
@@ -176,6 +179,8 @@ def test_clip_with_masters_equals_torch_clip_of_the_fp32_gradients():
         h.grad = g  # clipped in place by torch
     ref_norm = torch.nn.utils.clip_grad_norm_(holders, 2.0)
     assert float(ref_norm) > 2.0
+    if unscale_first:
+        scaler.unscale_(opt)
     norm = scaler.clip_grad_norm_(opt, 2.0)
     assert float(norm) == pytest.approx(float(ref_norm), rel=1e-6)
     got = [m.grad for m in opt.masters] + [extra.grad]
