@@ -15,7 +15,7 @@ from . import _C, ops
 from .cuda import _capturing
 from .master import MasterWeights
 from .checkpoint import GROWTH_TIMINGS, CheckpointMixin
-from .sharding import agree, check_sharded_placements, combine
+from .sharding import LayoutRefused, agree, check_sharded_placements, combine
 from .telemetry import OverflowReport, TelemetryMixin, _LazySkip
 
 __all__ = ["GradScaler", "ShardedGradScaler", "OverflowReport"]
@@ -124,6 +124,12 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
 
     # ---- set-up -----------------------------------------------------------------------
 
+    @property
+    def sharded(self):
+        """Whether ranks agree on overflow and the norm over a process group: ``process_group``
+        given, or an ``ampx.ShardedGradScaler`` (the default group)."""
+        return self._sharded
+
     def watch(self, named_parameters):
         """Names parameters for overflow reports: ``scaler.watch(model.named_parameters())``."""
         for name, p in named_parameters:
@@ -137,12 +143,13 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
     # ---- the passes over gradients ----------------------------------------------------
 
     @staticmethod
-    def _params_with_grads(optimizer):
+    def _params_with_grads(optimizer, unscaled=False):
         """(params, grads, devices) for the optimizer's parameters whose .grad is set, in order;
         devices is None when every grad is on one device, else each grad's device key. For
-        ``ampx.MasterWeights`` these are the model's gradients, before they reach the masters."""
+        ``ampx.MasterWeights`` these are the model's gradients, before they reach the masters,
+        or with ``unscaled`` (after unscale_) the masters' gradients, where the unscaled values are."""
         if isinstance(optimizer, MasterWeights):
-            return optimizer._ampx_grads()
+            return optimizer._ampx_unscaled_grads() if unscaled else optimizer._ampx_grads()
         return _C.collect_grads(optimizer.param_groups)
 
     def _dense_views(self, params, allow_fp16, for_norm):
@@ -153,6 +160,8 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         in fp16 may overflow, so check the sum) and whenever a norm is wanted (the norm of
         uncoalesced values is not the norm of the gradient).
         """
+        if for_norm and self._sharded:
+            _refuse_plain_beside_dtensors(params, self._param_names)
         out = []
         for p in params:
             g = p.grad
@@ -169,7 +178,8 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             out.append(g)
         return out
 
-    def _grad_pass(self, optimizer, inv_scale, found_inf, allow_fp16, write, reduce=_C.REDUCE_NONE, need_found=True):
+    def _grad_pass(self, optimizer, inv_scale, found_inf, allow_fp16, write, reduce=_C.REDUCE_NONE, need_found=True,
+                   unscaled=False):
         """One kernel call over the optimizer's gradients; returns ({device: found_inf}, total).
 
         write: unscale in place by inv_scale; otherwise read only (norm of grads * inv_scale).
@@ -178,12 +188,13 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         gradients records no inf check at all, except in sharded mode, where every rank
         takes part in the step's one collective (``sharding.agree``) whether it holds gradients or not.
         need_found=False: only the total is wanted from the collective.
+        unscaled=True: the gradients unscale_ left (for master weights, the masters' ones).
 
         The call runs on the gradients' device (CPU, or ampx's CUDA kernels on the caller's
         stream, with no host sync). Gradients spread over several devices (model parallel,
         CPU offload) take one call per device.
         """
-        params, grads, devices = self._params_with_grads(optimizer)
+        params, grads, devices = self._params_with_grads(optimizer, unscaled)
         if self._sharded or isinstance(optimizer, MasterWeights):
             # torch's ShardedGradScaler allows fp16 (FSDP may keep fp16 gradients); with master
             # weights fp16 gradients are unscaled on their way into float32 masters (Apex O2)
@@ -203,8 +214,12 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             self._check_split(params, grads, devices, allow_fp16)
         # The split by device is decided here, once, from what collect_grads saw: one kernel
         # call per device, each told its device, and the results combined below.
-        parts = [self._device_pass(optimizer, ps, gs, inv_scale, found_inf, allow_fp16, write, reduce)
-                 for ps, gs in _by_device(params, grads, devices)]
+        try:
+            parts = [self._device_pass(optimizer, ps, gs, inv_scale, found_inf, allow_fp16, write, reduce)
+                     for ps, gs in _by_device(params, grads, devices)]
+        except LayoutRefused:
+            self._refuse_together(found_inf, reduce, need_found)
+            raise
         self._flag_sources[id(optimizer)] = [(ps, fl) for ps, fl, _, _, _ in parts]
         self._last_grads = parts[0][2] if len(parts) == 1 else [g for _, _, gs, _, _ in parts for g in gs]
         per_device = {}
@@ -219,6 +234,20 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             found, total = agree(found if need_found else None, total, reduce, self.process_group)
             return ({} if found is None else {found.device: found}), total
         return per_device, total
+
+    def _refuse_together(self, found_inf, reduce, need_found):
+        """This rank refuses its gradients' layout (read-only passes only: nothing written yet)
+        while the group's other ranks, whose layouts may pass, wait in the step's all-reduce.
+        Sends them an overflow and an infinite norm, so that every rank skips the step, before
+        this rank raises. (After unscale_ only the norm is sent, and the others would clip by it:
+        there this rank raises at once, and they wait until the group's timeout.)"""
+        if not (self._sharded and need_found and _group_size(self.process_group) > 1):
+            return
+        total = torch.full((), math.inf, dtype=torch.float32, device=found_inf.device) if reduce else None
+        try:
+            agree(torch.ones_like(found_inf), total, reduce, self.process_group)
+        except Exception:  # the refusal is what this rank reports
+            pass
 
     def _check_split(self, params, grads, devices, allow_fp16):
         """Before the passes of gradients on several devices: every device is one ampx runs on,
@@ -375,6 +404,11 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
     def _clip_other_norm(self, optimizer, state, max_norm, norm_type, error_if_nonfinite):
         """Route 1, a norm the kernels do not compute (p other than 2, 1, inf): unscale, then
         torch's own clip."""
+        if self._sharded and _group_size(self.process_group) > 1:
+            raise ValueError(
+                f"ampx.GradScaler(process_group=...): clip_grad_norm_ with norm_type={float(norm_type)} would take "
+                "torch's norm of this rank's shards only, so ranks would clip by different norms; the norms the "
+                "ranks agree on are 2, 1 and inf (nothing was unscaled or clipped)")
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         params, _, _ = self._params_with_grads(optimizer)
@@ -411,10 +445,13 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             found_inf = self._new_found_inf()
             per_device, total = self._grad_pass(optimizer, inv, found_inf, False, write=False, reduce=reduce)
             state["found_inf_per_device"] = per_device
-        else:  # already unscaled by unscale_()
+        else:  # already unscaled by unscale_() (master weights: into the masters' gradients)
             inv = None
+            sources = self._flag_sources.get(id(optimizer))
             _, total = self._grad_pass(optimizer, None, self._new_found_inf(), True, write=False, reduce=reduce,
-                                       need_found=False)
+                                       need_found=False, unscaled=True)
+            if sources is not None:  # the overflow report stays unscale_'s, by parameter
+                self._flag_sources[id(optimizer)] = sources
         self._check_clip_norm(total, norm_type, error_if_nonfinite)
         coef = _clip_coef(max_norm, total)
         self._last_norm = total
@@ -645,6 +682,30 @@ def resolve_optimizer(optimizer, method, needs="param_groups"):
 def _takes_no_found_inf(optimizer):
     """Whether a torch.optim fused optimizer (whose step treats found_inf=None as clear)."""
     return type(optimizer).__module__.startswith("torch.optim.") and bool(optimizer.defaults.get("fused"))
+
+
+def _group_size(group):
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def _refuse_plain_beside_dtensors(params, names):
+    """A norm summed over the ranks, of DTensor gradients (each rank a shard) and plain ones
+    beside them: a plain gradient is then a whole copy on every rank (a module left out of
+    fully_shard or of a tensor-parallel plan), which the sum would count once per rank."""
+    if not any(hasattr(p.grad, "to_local") for p in params):
+        return  # plain gradients only: FSDP1's flat shards, or hand-sharded ones
+    for i, p in enumerate(params):
+        if not hasattr(p.grad, "to_local"):
+            who = names.get(id(p)) or f"parameter {i} with a gradient, shape {tuple(p.shape)}"
+            raise LayoutRefused(
+                f"ampx.GradScaler(process_group=...): the gradient of {who} is a plain tensor beside DTensor "
+                "gradients, so every rank holds a whole copy of it and a norm summed over the group would count "
+                "it once per rank; shard the module that holds it (fully_shard, or its tensor-parallel plan) "
+                "(nothing was unscaled or clipped)")
 
 
 def _split(optimizer):

@@ -91,50 +91,74 @@ def _all_reduce(buf, op, group):
     dist.all_reduce(buf, op=op, group=group)
 
 
+class LayoutRefused(ValueError):
+    """A layout of gradients whose norm summed over the scaler's group would be wrong."""
+
+
 def check_sharded_placements(grad, name, index, group):
-    """A norm summed over ``group`` counts each element of this DTensor gradient exactly once
-    only if the group's ranks hold one copy of every shard between them:
+    """Raises ValueError, naming the parameter, unless a norm summed over ``group`` counts each
+    element of this DTensor gradient exactly once (``_layout_problem``). The verdict depends only
+    on the mesh, the placements and the group, so it is worked out once for each. Raises
+    LayoutRefused (a ValueError)."""
+    key = (grad.device_mesh, tuple(grad.placements), group)
+    try:
+        problem = _VERDICTS[key]
+    except KeyError:
+        if len(_VERDICTS) >= 256:  # (meshes and groups come and go in long sessions)
+            _VERDICTS.clear()
+        problem = _VERDICTS[key] = _layout_problem(grad.device_mesh, grad.placements, group)
+    except TypeError:  # an unhashable mesh or group: no caching
+        problem = _layout_problem(grad.device_mesh, grad.placements, group)
+    if problem is not None:
+        raise LayoutRefused(f"ampx.GradScaler(process_group=...): the gradient of {name or f'param[{index}]'} {problem}")
 
-    * every rank of the group lies in the gradient's device mesh: a rank outside it holds a
-      copy of its own (a gradient on a sub-mesh, e.g. FSDP2's data-parallel dimension under
-      tensor parallelism, repeated on each tensor-parallel rank), which the sum would add again;
-    * along a mesh dimension the group spans, the gradient is sharded (not replicated, nor a
-      partial sum pending its reduction);
-    * along a dimension it is sharded over, the group holds every shard (a group spanning part
-      of it would leave the other shards out of the norm).
 
-    HSDP's replicate dimension is fine when the group is the shard dimension's. Raises
-    ValueError naming the parameter otherwise."""
+_VERDICTS = {}  # (mesh, placements, group) -> None or what is wrong
+
+
+def _layout_problem(mesh, placements, group):
+    """What is wrong with summing a gradient of these placements over ``group``, or None.
+
+    Each element lives on the ranks whose coordinates on the Shard dimensions (of size > 1) are
+    its shard's; the other dimensions repeat it. So the group's ranks hold every element once
+    exactly when they lie in the mesh and their Shard coordinates are all different (no element
+    counted twice) and all present (no shard left out). A Partial placement is refused outright:
+    its local values are not the gradient's."""
     import torch.distributed as dist
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Partial, Shard
 
-    mesh = grad.device_mesh
-    ours = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-    who = name or f"param[{index}]"
-    outside = ours.difference(mesh.mesh.flatten().tolist())
+    for dim, placement in enumerate(placements):
+        if isinstance(placement, Partial) and mesh.size(dim) > 1:
+            return (f"is Partial over mesh dimension {dim} (a sum still pending), so its local values are not "
+                    "the gradient's; reduce it before the scaler reads it (FSDP2 does, in its backward)")
+    ours = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    ranks = mesh.mesh
+    outside = sorted(set(ours).difference(ranks.flatten().tolist()))
     if outside:
-        raise ValueError(
-            f"ampx.GradScaler(process_group=...): the gradient of {who} lives on a device mesh of "
-            f"{mesh.size()} rank(s) that leaves out rank(s) {sorted(outside)} of the scaler's group, which hold "
-            "their own copies of it, so a norm summed over the group would count it more than once. Shard it "
-            "over a mesh that spans the scaler's group (e.g. fully_shard the module on the whole mesh, or "
-            "parallelize it over the tensor-parallel dimension too), or give the scaler the group of the mesh "
-            "the gradients are sharded over")
-    for dim, placement in enumerate(grad.placements):
-        if mesh.size(dim) < 2:
-            continue
-        along = set(dist.get_process_group_ranks(mesh.get_group(dim)))
-        shared = len(ours.intersection(along))
-        if not isinstance(placement, Shard) and shared > 1:
-            raise ValueError(
-                f"ampx.GradScaler(process_group=...): the gradient of {who} is {type(placement).__name__} over mesh "
-                f"dimension {dim} (size {mesh.size(dim)}), which the scaler's group spans, so a norm "
-                "summed over the group would count it more than once; pass the group across which "
-                "gradients are sharded (for HSDP, the shard dimension's group), or leave "
-                "process_group None when gradients are replicated")
-        if isinstance(placement, Shard) and not along <= ours:
-            raise ValueError(
-                f"ampx.GradScaler(process_group=...): the gradient of {who} is sharded over mesh dimension {dim} "
-                f"(ranks {sorted(along)}), but the scaler's group holds only {shared} of those ranks, so a norm "
-                "summed over the group would leave the other shards out; pass a group that spans every "
-                "dimension the gradients are sharded over")
+        return (f"lives on a device mesh of {mesh.size()} rank(s) that leaves out rank(s) {outside} of the "
+                "scaler's group. Those ranks hold either copies of it (a sub-mesh, as FSDP2's data-parallel "
+                "dimension under tensor parallelism), which the norm summed over the group would count again, "
+                "or other parameters (pipeline stages), which ampx cannot tell apart, so it refuses. Shard it "
+                "over a mesh that spans the scaler's group (fully_shard the module on the whole mesh, or "
+                "parallelize it over the tensor-parallel dimension too), or give the scaler the group of the "
+                "mesh the gradients are sharded over")
+    shard_dims = [d for d, p in enumerate(placements) if isinstance(p, Shard) and mesh.size(d) > 1]
+    held = {}  # Shard coordinates -> the group's rank that holds them
+    for r in ours:
+        at = (ranks == r).nonzero()[0].tolist()
+        key = tuple(at[d] for d in shard_dims)
+        if key in held:
+            other = (ranks == held[key]).nonzero()[0].tolist()
+            dim = next(d for d in range(len(at)) if at[d] != other[d])
+            kind = type(placements[dim]).__name__
+            return (f"is {kind} over mesh dimension {dim} (size {mesh.size(dim)}): ranks {held[key]} and {r} of "
+                    "the scaler's group hold the same part of it, so a norm summed over the group would count it "
+                    "more than once; pass the group across which gradients are sharded (for HSDP, the shard "
+                    "dimension's group), or leave process_group None when gradients are replicated")
+        held[key] = r
+    shards = math.prod(mesh.size(d) for d in shard_dims)
+    if len(held) < shards:
+        return (f"is sharded in {shards} parts over mesh dimension(s) {shard_dims}, of which the scaler's group "
+                f"holds {len(held)}, so a norm summed over the group would leave the other shards out; pass a "
+                "group that spans every dimension the gradients are sharded over")
+    return None

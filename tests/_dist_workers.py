@@ -314,38 +314,88 @@ def scenario_ddp(rank, world):
     return rec
 
 
-def _clip_refusal(model, group):
-    """What the clip of a scaler agreeing over ``group`` says of the model's gradients: the
-    ValueError's message, or None if it clipped."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def _clip_of(params, group, norm_type=2.0):
+    """(what the clip of a scaler agreeing over ``group`` says: the ValueError's message or None,
+    the norm it returned or None, the norm of the full gradients). Gradients are set already
+    (scaled by the scaler's init_scale 4)."""
+    opt = torch.optim.SGD(params, lr=0.1)
     scaler = ampx.GradScaler("cpu", init_scale=4.0, process_group=group)
-    scaler.scale(model(torch.ones(2, model.in_features)).square().sum()).backward()
+    scaler.scale(torch.ones(()))
+    full = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in params if p.grad is not None]
+    truth = float(torch.stack([g.double().norm() for g in full]).norm()) / 4.0
     try:
-        scaler.clip_grad_norm_(opt, 1.0)
+        norm = float(scaler.clip_grad_norm_(opt, 1e9, norm_type))
     except ValueError as e:
-        return str(e)
-    return None
+        return str(e), None, truth
+    found = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+    return None, norm, truth, float(sum(found.values()))
+
+
+def _backward(model):
+    model(torch.ones(2, model.in_features)).square().sum().backward()
+    return list(model.parameters())
+
+
+def _dtensor_param(mesh, grad_placements, seed):
+    """A parameter replicated over ``mesh`` whose gradient has ``grad_placements``."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+
+    g = torch.Generator().manual_seed(seed)
+    p = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4, generator=g), mesh, [Replicate()] * mesh.ndim))
+    full = torch.randn(8, 4, generator=g) * 4.0
+    if any(isinstance(pl, Partial) for pl in grad_placements):
+        p.grad = DTensor.from_local(full / mesh.size(), mesh, grad_placements, run_check=False)
+    else:
+        p.grad = distribute_tensor(full, mesh, grad_placements)
+    return p
 
 
 def scenario_mesh_checks(rank, world):
-    """Layouts whose norm summed over the scaler's group would be wrong, each refused by the
-    clip: a gradient on a sub-mesh (FSDP2 over a data-parallel dimension of 1 under tensor
-    parallelism over every rank: each rank holds a whole copy), and, with 4 ranks, a group of
-    2 that holds only half the shards of a gradient sharded over all 4."""
+    """Layouts of sharded gradients against the scaler's group: refused where the norm summed
+    over the group would be wrong, right where it is accepted (against the full gradients):
+
+    - a sub-mesh (FSDP2 over a data-parallel dimension of 1 under tensor parallelism over every
+      rank: each rank a whole copy): refused; the whole mesh: accepted;
+    - a plain gradient beside DTensor ones (a module left out of fully_shard): refused; on rank
+      0 only, rank 0 refuses and the others skip the step (an overflow, an infinite norm);
+    - a Partial gradient (a sum pending), with a group of the rank alone: refused;
+    - norm_type 3 (torch's clip, one rank's shards only): refused;
+    - with 4 ranks, a group holding half the shards of a gradient sharded over all 4: refused;
+      on a 2 x 2 mesh with the diagonal groups {0, 3} and {1, 2}: (Replicate, Replicate) counts
+      each element twice (refused), (Replicate, Shard) holds each once (accepted)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Partial, Replicate, Shard
 
+    rec = {}
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
     sub = torch.nn.Linear(4, 4)
     fully_shard(sub, mesh=mesh["dp"])
-    rec = {"submesh": _clip_refusal(sub, dist.group.WORLD)}
+    rec["submesh"] = _clip_of(_backward(sub), dist.group.WORLD)
+    line = init_device_mesh("cpu", (world,))
     whole = torch.nn.Linear(8, 8)
-    fully_shard(whole, mesh=init_device_mesh("cpu", (world,)))
-    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank makes every group
-    rec["partial"] = _clip_refusal(whole, pairs[rank // 2]) if world >= 4 else None
-    opt = torch.optim.SGD(whole.parameters(), lr=0.1)
-    opt.zero_grad(set_to_none=True)
-    rec["whole"] = _clip_refusal(whole, dist.group.WORLD)  # the right group: clipped
+    fully_shard(whole, mesh=line)
+    params = _backward(whole)
+    rec["whole"] = _clip_of(params, dist.group.WORLD)
+    rec["p3"] = _clip_of(params, dist.group.WORLD, 3.0)
+    plain = torch.nn.Parameter(torch.ones(3))
+    plain.grad = torch.full((3,), 4.0)
+    rec["plain"] = _clip_of(params + [plain], dist.group.WORLD)
+    # only rank 0 has the plain gradient: it refuses, the others must not wait for it forever
+    plain.grad = plain.grad if rank == 0 else None
+    rec["plain_on_rank0"] = _clip_of(params + [plain], dist.group.WORLD)
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
+    # (over the whole world the duplicate-coordinates rule refuses a Partial too; over the rank
+    # itself only the Partial rule does)
+    rec["pending"] = _clip_of([_dtensor_param(line, [Partial()], 1)], singles[rank])
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    diagonals = [dist.new_group([0, 3]), dist.new_group([1, 2])] if world == 4 else None
+    if world == 4:
+        rec["halves"] = _clip_of(params, pairs[rank // 2])
+        square = init_device_mesh("cpu", (2, 2))
+        diagonal = diagonals[0 if rank in (0, 3) else 1]
+        rec["diag_replicated"] = _clip_of([_dtensor_param(square, [Replicate(), Replicate()], 2)], diagonal)
+        rec["diag_sharded"] = _clip_of([_dtensor_param(square, [Replicate(), Shard(0)], 3)], diagonal)
     return rec
 
 

@@ -114,17 +114,30 @@ def test_hsdp_norm_needs_the_shard_group(world_results):
         assert rec["refused"] is not None and "Replicate" in rec["refused"], rec["refused"]
 
 
-def test_norm_refuses_a_sub_mesh_and_a_group_with_part_of_the_shards(world_results):
-    """A gradient on a sub-mesh (each rank a whole copy) would be counted once per rank; a group
-    holding half the shards would leave the rest out. Both refused, naming why; the group that
-    spans the mesh clips."""
+def test_sharded_norm_refuses_the_layouts_it_would_get_wrong(world_results):
+    """Each layout whose norm summed over the group would be wrong is refused, naming why; each
+    accepted one gives the norm of the full gradients (_dist_workers.scenario_mesh_checks)."""
     world, recs = _scenario(world_results, "mesh_checks")
-    for rec in recs:
-        assert rec["submesh"] is not None and "leaves out rank(s)" in rec["submesh"], rec["submesh"]
-        assert "weight" in rec["submesh"] or "param[0]" in rec["submesh"]
-        if world >= 4:
-            assert rec["partial"] is not None and "leave the other shards out" in rec["partial"], rec["partial"]
-        assert rec["whole"] is None
+    refused = {"submesh": "leaves out rank(s)", "plain": "a plain tensor beside DTensor gradients",
+               "pending": "(a sum still pending)", "p3": "norm_type=3.0"}
+    accepted = ["whole"]
+    if world == 4:
+        refused.update(halves="leave the other shards out", diag_replicated="hold the same part of it")
+        accepted.append("diag_sharded")
+    for rank, rec in enumerate(recs):
+        for name, words in refused.items():
+            message, norm = rec[name][:2]
+            assert message is not None and words in message, (name, message, norm)
+        for name in accepted:
+            message, norm, truth, found = rec[name]
+            assert message is None and norm == pytest.approx(truth, rel=1e-5) and found == 0.0, (name, rec[name])
+        # a layout refused on one rank only: that rank raises, the others learn of it in the same
+        # all-reduce and skip the step (before, they waited there until the group's timeout)
+        if rank == 0:
+            assert "a plain tensor beside DTensor gradients" in rec["plain_on_rank0"][0]
+        else:
+            message, norm, _, found = rec["plain_on_rank0"]
+            assert message is None and norm == math.inf and found == 1.0, rec["plain_on_rank0"]
 
 
 # ---- single process ------------------------------------------------------------------------
