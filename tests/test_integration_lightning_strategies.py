@@ -192,7 +192,6 @@ def test_model_parallel_ranks_agree_and_match_lightnings_own_plugin(tmp_path):
     # bf16, clipped by norm: each rank's own shards as Lightning's own plugin left them (torch's
     # DTensor clip); the full parameters are gathered, so they are the same on both ranks anyway
     for r in range(2):
-        assert runs["ampx"][r]["local"] != runs["inf"][r]["local"]  # (the shards differ between fits)
         for ours, stock in zip(runs["ampx"][r]["local"], runs["stock"][r]["local"]):
             torch.testing.assert_close(torch.tensor(ours), torch.tensor(stock), rtol=1e-5, atol=1e-7)
     for r in runs["ampx"] + runs["inf"]:
@@ -219,39 +218,57 @@ def test_model_parallel_needs_a_process_group():
 SOME_GROUP = object()  # stands for a process group: these checks refuse before any collective
 
 
-def test_a_sharded_clip_refuses_a_plain_parameter():
+@pytest.mark.parametrize("scaler", ["grouped", "ShardedGradScaler"])
+def test_a_sharded_clip_refuses_a_plain_parameter_at_every_clip(monkeypatch, scaler):
     """A parameter left out of configure_model's parallelization is a plain tensor, whole on every
-    rank: the clip's norm summed over the ranks would count it once per rank."""
+    rank: the clip's norm summed over the ranks would count it once per rank. Checked at every
+    clip (a frozen layer may be unfrozen later: until then it has no gradient and passes), for a
+    scaler given a group and for ShardedGradScaler (the default group, process_group None)."""
+    import ampx.integrations.lightning as plugin_module
+
+    monkeypatch.setattr(plugin_module, "_group_size", lambda group: 2)  # as on 2 ranks
     plugin = AmpxPrecision("16-mixed")
-    plugin.scaler = ampx.GradScaler("cpu", process_group=SOME_GROUP)
+    plugin.scaler = (ampx.GradScaler("cpu", process_group=SOME_GROUP) if scaler == "grouped"
+                     else ampx.ShardedGradScaler("cpu"))
     model = torch.nn.Linear(3, 2)
     plugin.scaler.watch(model.named_parameters())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for p in model.parameters():
-        p.grad = torch.full_like(p, 3.0)
+    model.weight.requires_grad_(False)
+    model.bias.grad = torch.full_like(model.bias, 3.0)
+    with pytest.raises(ValueError, match="parameter bias is a plain tensor, not a DTensor"):
+        plugin.clip_gradients(opt, 1.0)
+    model.weight.requires_grad_(True)  # unfrozen: its gradient now counts as well
+    model.weight.grad = torch.full_like(model.weight, 3.0)
+    model.bias.grad = None
     with pytest.raises(ValueError, match="parameter weight is a plain tensor, not a DTensor"):
         plugin.clip_gradients(opt, 1.0)
-    assert all(bool((p.grad == 3.0).all()) for p in model.parameters())  # nothing clipped
 
 
 def test_a_reused_plugin_drops_its_group_under_another_strategy():
     """The plugin's own scaler, sharded for a ModelParallel fit, is rebuilt without the group for a
     single-device (or DDP) fit, where summing over the ranks would count each gradient once per
     rank; the scale it reached is kept."""
-    plugin = AmpxPrecision("16-mixed")
-    plugin.scaler = ampx.GradScaler("cpu", init_scale=2.0**10, process_group=SOME_GROUP)
+    plugin = AmpxPrecision("16-mixed", hysteresis=3)
+    old = ampx.GradScaler("cpu", init_scale=2.0**10, hysteresis=3, process_group=SOME_GROUP)
+    state = old.state_dict()
+    state.update(_growth_tracker=7, _hysteresis_tracker=2)  # as if it had stepped
+    old.load_state_dict(state)
+    plugin.scaler = old
     model = Steps()
     model.trainer = L.Trainer(accelerator="cpu", devices=1, plugins=[plugin], logger=False)
     plugin.connect(model, [], [])
-    assert plugin.scaler.process_group is None
-    assert plugin.scaler.get_scale() == 2.0**10
+    assert plugin.scaler is not old and not plugin.scaler.sharded
+    assert plugin.scaler.state_dict() == old.state_dict()
 
 
-def test_a_given_grouped_scaler_is_refused_where_gradients_are_whole(monkeypatch):
+@pytest.mark.parametrize("scaler", ["grouped", "ShardedGradScaler"])
+def test_a_given_sharded_scaler_is_refused_where_gradients_are_whole(monkeypatch, scaler):
     import ampx.integrations.lightning as plugin_module
 
     monkeypatch.setattr(plugin_module, "_group_size", lambda group: 2)  # as under 2-rank DDP
-    plugin = AmpxPrecision("16-mixed", scaler=ampx.GradScaler("cpu", process_group=SOME_GROUP))
+    given = (ampx.GradScaler("cpu", process_group=SOME_GROUP) if scaler == "grouped"
+             else ampx.ShardedGradScaler("cpu"))
+    plugin = AmpxPrecision("16-mixed", scaler=given)
     model = Steps()
     model.trainer = L.Trainer(accelerator="cpu", devices=1, plugins=[plugin], logger=False)
     with pytest.raises(ValueError, match="count each gradient once per rank"):

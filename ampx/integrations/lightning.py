@@ -40,7 +40,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException  # 
 from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
 
 from ..grad_buffer import GradBuffer, _refuse_bucket_views  # noqa: E402
-from ..scaler import GradScaler  # noqa: E402
+from ..scaler import GradScaler, _group_size  # noqa: E402
 
 __all__ = ["AmpxPrecision"]
 
@@ -106,7 +106,6 @@ class AmpxPrecision(MixedPrecision):
         self._no_clip = False  # set while the hooks of a step without backward run
         self._watched = None  # id of the LightningModule whose parameter names the scaler has
         self._held = []  # schedulers this plugin holds on skipped steps
-        self._sharding_checked = set()  # id(optimizer) whose parameters a sharded clip has checked
         self.log_stats = log_stats
         self.grad_buffer = bool(grad_buffer)
         self.grad_buffers = {}  # id(optimizer) -> its GradBuffer, for the current fit
@@ -127,7 +126,6 @@ class AmpxPrecision(MixedPrecision):
         device = self.device if self._device_given else _model_device(model, self.device)
         self._settle_scaler(device, _shards_gradients(strategy))
         self._last_skipped.clear()  # (ids of another fit's optimizers may be reused)
-        self._sharding_checked.clear()
         if self.precision == "16-mixed" and self.device == "cpu":
             log.info("ampx: 16-mixed on the CPU runs float16 autocast with ampx's loss scaler "
                      "(Lightning's own MixedPrecision would switch to bf16)")
@@ -152,7 +150,7 @@ class AmpxPrecision(MixedPrecision):
         gradients summed over the ranks would count each one once per rank). The plugin's own
         scaler is rebuilt when it does not fit, keeping its state (a plugin reused for a fit
         under another strategy); a scaler the user gave is refused instead."""
-        grouped = self.scaler.process_group is not None
+        grouped = self.scaler.sharded
         if self._scaler_given:
             if sharded and not grouped:
                 raise ValueError(
@@ -256,9 +254,8 @@ class AmpxPrecision(MixedPrecision):
             return
         optimizer = _unwrap(optimizer)
         if gradient_clip_algorithm == GradClipAlgorithmType.NORM:
-            if self.scaler.process_group is not None and id(optimizer) not in self._sharding_checked:
-                _refuse_plain_parameters(optimizer, self.scaler)
-                self._sharding_checked.add(id(optimizer))
+            if self.scaler.sharded and _group_size(self.scaler.process_group) > 1:
+                _refuse_plain_parameters(optimizer, self.scaler)  # each clip: a layer may be unfrozen later
             self.scaler.clip_grad_norm_(optimizer, clip_val)
             if self.scaler.is_enabled():
                 self._unscaled.add(id(optimizer))
@@ -307,23 +304,20 @@ def _fitting(model):
 
 
 def _refuse_plain_parameters(optimizer, scaler):
-    """Before the first clip by a sharded scaler: every trained parameter must be a DTensor.
+    """Before each clip by a sharded scaler: every parameter with a gradient must be a DTensor.
     A plain one (a module left out of configure_model's parallelization) holds a whole copy of
     its gradient on every rank, which the norm summed over the ranks would add once per rank
-    (its DTensor siblings are checked by the scaler: ampx.sharding.check_sharded_placements)."""
+    (the scaler refuses it beside DTensor gradients; this covers a model with none, and
+    ampx.sharding.check_sharded_placements the DTensor ones)."""
     for group in optimizer.param_groups:
         for i, p in enumerate(group["params"]):
-            if p.requires_grad and not hasattr(p, "device_mesh"):
+            if p.grad is not None and not hasattr(p, "device_mesh"):
                 who = scaler._param_names.get(id(p)) or f"parameter {i} (shape {tuple(p.shape)})"
                 raise ValueError(
                     f"AmpxPrecision: under ModelParallelStrategy the parameter {who} is a plain tensor, not a "
                     "DTensor, so every rank holds a whole copy of its gradient and the clip's norm, summed over "
                     "the ranks, would count it once per rank. Parallelize or fully_shard the module that holds "
                     "it in configure_model (nothing was clipped)")
-
-
-def _group_size(group):
-    return torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
 
 
 def _model_device(model, default):
