@@ -15,7 +15,7 @@ from . import _C, ops
 from .cuda import _capturing
 from .master import MasterWeights
 from .checkpoint import GROWTH_TIMINGS, CheckpointMixin
-from .sharding import LayoutRefused, agree, check_sharded_placements, combine
+from .sharding import LayoutRefused, agree, check_sharded_placements, combine, is_sharded_dtensor
 from .telemetry import OverflowReport, TelemetryMixin, _LazySkip
 
 __all__ = ["GradScaler", "ShardedGradScaler", "OverflowReport"]
@@ -170,6 +170,13 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             if hasattr(g, "to_local"):  # DTensor (FSDP2): work on this rank's shard in place
                 if for_norm and self._sharded:
                     check_sharded_placements(g, self._param_names.get(id(p)), len(out), self.process_group)
+                elif for_norm and is_sharded_dtensor(g) and _group_size(None) > 1:
+                    who = self._param_names.get(id(p)) or f"parameter {len(out)} with a gradient, shape {tuple(p.shape)}"
+                    raise ValueError(
+                        f"ampx.GradScaler: the gradient of {who} is a DTensor sharded over {g.device_mesh.size()} "
+                        "ranks, and this scaler agrees over none, so its norm would be this rank's shards' only "
+                        "(each rank clipping by another norm). Pass process_group= the group the gradients are "
+                        "sharded over (the mesh's), or use ampx.ShardedGradScaler (nothing was unscaled or clipped)")
                 g = g.to_local()
             if g.is_sparse:
                 if g.dtype is torch.float16 or (for_norm and not g.is_coalesced()):
@@ -239,8 +246,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         """This rank refuses its gradients' layout (read-only passes only: nothing written yet)
         while the group's other ranks, whose layouts may pass, wait in the step's all-reduce.
         Sends them an overflow and an infinite norm, so that every rank skips the step, before
-        this rank raises. (After unscale_ only the norm is sent, and the others would clip by it:
-        there this rank raises at once, and they wait until the group's timeout.)"""
+        this rank raises (after unscale_ too: the sharded clip's all-reduce carries the flag)."""
         if not (self._sharded and need_found and _group_size(self.process_group) > 1):
             return
         total = torch.full((), math.inf, dtype=torch.float32, device=found_inf.device) if reduce else None
@@ -404,11 +410,13 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
     def _clip_other_norm(self, optimizer, state, max_norm, norm_type, error_if_nonfinite):
         """Route 1, a norm the kernels do not compute (p other than 2, 1, inf): unscale, then
         torch's own clip."""
-        if self._sharded and _group_size(self.process_group) > 1:
+        if self._sharded and _group_size(self.process_group) > 1 and not all(
+                hasattr(g, "to_local") for g in self._params_with_grads(optimizer)[1]):
+            # (DTensor gradients are fine: torch's clip reduces their norm over their meshes)
             raise ValueError(
                 f"ampx.GradScaler(process_group=...): clip_grad_norm_ with norm_type={float(norm_type)} would take "
-                "torch's norm of this rank's shards only, so ranks would clip by different norms; the norms the "
-                "ranks agree on are 2, 1 and inf (nothing was unscaled or clipped)")
+                "torch's norm of this rank's plain gradient shards only, so ranks would clip by different norms; "
+                "the norms the ranks agree on are 2, 1 and inf (nothing was unscaled or clipped)")
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         params, _, _ = self._params_with_grads(optimizer)
@@ -440,18 +448,33 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         folded into its grad_scale at step() and nothing is written now; master weights get it on
         the way into the masters; anything else one in-place pass by inv_scale * coef.
         Returns (norm, clip coefficient)."""
-        if state["stage"] is OptState.READY:
-            inv = self._inv_scale()
-            found_inf = self._new_found_inf()
-            per_device, total = self._grad_pass(optimizer, inv, found_inf, False, write=False, reduce=reduce)
-            state["found_inf_per_device"] = per_device
-        else:  # already unscaled by unscale_() (master weights: into the masters' gradients)
-            inv = None
-            sources = self._flag_sources.get(id(optimizer))
-            _, total = self._grad_pass(optimizer, None, self._new_found_inf(), True, write=False, reduce=reduce,
-                                       need_found=False, unscaled=True)
-            if sources is not None:  # the overflow report stays unscale_'s, by parameter
-                self._flag_sources[id(optimizer)] = sources
+        try:
+            if state["stage"] is OptState.READY:
+                inv = self._inv_scale()
+                found_inf = self._new_found_inf()
+                per_device, total = self._grad_pass(optimizer, inv, found_inf, False, write=False, reduce=reduce)
+                state["found_inf_per_device"] = per_device
+            else:  # already unscaled by unscale_() (master weights: into the masters' gradients)
+                inv = None
+                sources = self._flag_sources.get(id(optimizer))
+                # Sharded, the flag travels too: a rank that refuses its layout sends an overflow,
+                # which every rank then adds to unscale_'s (all skip the step).
+                agreed, total = self._grad_pass(optimizer, None, self._new_found_inf(), True, write=False,
+                                                reduce=reduce, need_found=self._sharded, unscaled=True)
+                if self._sharded:
+                    _or_found(state, agreed)
+                if sources is not None:  # the overflow report stays unscale_'s, by parameter
+                    self._flag_sources[id(optimizer)] = sources
+        except LayoutRefused:
+            if self._sharded:
+                # The other ranks have recorded an overflow for this step (_refuse_together): so
+                # does this one, as checked, so that a step() after the error skips as theirs do,
+                # with no collective they would not join. (The one exception to all-or-nothing.)
+                one = torch.ones((), dtype=torch.float32, device=self._scale.device)
+                _or_found(state, {one.device: one})
+                state["inf_checked"] = True
+                state["stage"] = OptState.UNSCALED
+            raise
         self._check_clip_norm(total, norm_type, error_if_nonfinite)
         coef = _clip_coef(max_norm, total)
         self._last_norm = total
@@ -690,6 +713,13 @@ def _group_size(group):
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
+
+
+def _or_found(state, found_per_device):
+    """Adds overflows to what the optimizer's state has recorded for this step."""
+    have = state["found_inf_per_device"]
+    for dev, f in found_per_device.items():
+        have[dev] = f if dev not in have else torch.maximum(have[dev], f)
 
 
 def _refuse_plain_beside_dtensors(params, names):

@@ -100,7 +100,10 @@ def check_sharded_placements(grad, name, index, group):
     element of this DTensor gradient exactly once (``_layout_problem``). The verdict depends only
     on the mesh, the placements and the group, so it is worked out once for each. Raises
     LayoutRefused (a ValueError)."""
-    key = (grad.device_mesh, tuple(grad.placements), group)
+    import torch.distributed as dist
+
+    # (the default group as its object: a re-initialised one is another key)
+    key = (grad.device_mesh, tuple(grad.placements), group if group is not None else dist.group.WORLD)
     try:
         problem = _VERDICTS[key]
     except KeyError:
@@ -125,7 +128,7 @@ def _layout_problem(mesh, placements, group):
     counted twice) and all present (no shard left out). A Partial placement is refused outright:
     its local values are not the gradient's."""
     import torch.distributed as dist
-    from torch.distributed.tensor import Partial, Shard
+    from torch.distributed.tensor import Partial
 
     for dim, placement in enumerate(placements):
         if isinstance(placement, Partial) and mesh.size(dim) > 1:
@@ -142,7 +145,7 @@ def _layout_problem(mesh, placements, group):
                 "over a mesh that spans the scaler's group (fully_shard the module on the whole mesh, or "
                 "parallelize it over the tensor-parallel dimension too), or give the scaler the group of the "
                 "mesh the gradients are sharded over")
-    shard_dims = [d for d, p in enumerate(placements) if isinstance(p, Shard) and mesh.size(d) > 1]
+    shard_dims = [d for d, p in enumerate(placements) if _is_shard(p) and mesh.size(d) > 1]
     held = {}  # Shard coordinates -> the group's rank that holds them
     for r in ours:
         at = (ranks == r).nonzero()[0].tolist()
@@ -162,3 +165,25 @@ def _layout_problem(mesh, placements, group):
                 f"holds {len(held)}, so a norm summed over the group would leave the other shards out; pass a "
                 "group that spans every dimension the gradients are sharded over")
     return None
+
+
+def _is_shard(placement):
+    """Shard, or the strided shard FSDP2 makes over the data-parallel dimension of a
+    tensor-parallel parameter (not a Shard subclass in every torch): each rank a distinct part."""
+    from torch.distributed.tensor import Shard
+
+    if isinstance(placement, Shard):
+        return True
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:
+        return False
+    return isinstance(placement, _StridedShard)
+
+
+def is_sharded_dtensor(grad):
+    """Whether ``grad`` is a DTensor split over more than one rank (each rank a part of it)."""
+    if not hasattr(grad, "device_mesh"):
+        return False
+    mesh = grad.device_mesh
+    return any(_is_shard(p) and mesh.size(d) > 1 for d, p in enumerate(grad.placements))

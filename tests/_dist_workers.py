@@ -314,21 +314,31 @@ def scenario_ddp(rank, world):
     return rec
 
 
-def _clip_of(params, group, norm_type=2.0):
-    """(what the clip of a scaler agreeing over ``group`` says: the ValueError's message or None,
-    the norm it returned or None, the norm of the full gradients). Gradients are set already
-    (scaled by the scaler's init_scale 4)."""
+def _clip_of(params, group, norm_type=2.0, unscale_first=False, step=False, sharded=True):
+    """What the clip of a scaler (agreeing over ``group`` when ``sharded``) does with the
+    parameters' gradients, already set and scaled by its init_scale 4: {"message": the
+    ValueError's or None, "norm": what it returned or None, "truth": the norm of the full
+    gradients, "found": the overflow it recorded}; with ``step``, then step() and update() (as a
+    loop that catches the error would go on): "skipped" and "scale"."""
     opt = torch.optim.SGD(params, lr=0.1)
-    scaler = ampx.GradScaler("cpu", init_scale=4.0, process_group=group)
+    scaler = ampx.GradScaler("cpu", init_scale=4.0, process_group=group if sharded else None)
     scaler.scale(torch.ones(()))
     full = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in params if p.grad is not None]
-    truth = float(torch.stack([g.double().norm() for g in full]).norm()) / 4.0
+    flat = torch.cat([g.double().flatten() for g in full])
+    out = {"message": None, "norm": None, "truth": float(torch.linalg.vector_norm(flat, norm_type)) / 4.0}
     try:
-        norm = float(scaler.clip_grad_norm_(opt, 1e9, norm_type))
+        if unscale_first:
+            scaler.unscale_(opt)
+        out["norm"] = float(scaler.clip_grad_norm_(opt, 1e9, norm_type))
     except ValueError as e:
-        return str(e), None, truth
+        out["message"] = str(e)
     found = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
-    return None, norm, truth, float(sum(found.values()))
+    out["found"] = float(sum(found.values())) if found else None
+    if step:
+        scaler.step(opt)
+        scaler.update()
+        out.update(skipped=bool(scaler.last_step_skipped), scale=scaler.get_scale())
+    return out
 
 
 def _backward(model):
@@ -356,13 +366,16 @@ def scenario_mesh_checks(rank, world):
 
     - a sub-mesh (FSDP2 over a data-parallel dimension of 1 under tensor parallelism over every
       rank: each rank a whole copy): refused; the whole mesh: accepted;
+    - a scaler with no group over FSDP2's gradients (each rank its own shards' norm): refused;
     - a plain gradient beside DTensor ones (a module left out of fully_shard): refused; on rank
-      0 only, rank 0 refuses and the others skip the step (an overflow, an infinite norm);
+      0 only (also after unscale_), rank 0 refuses and the others skip the step, and a step()
+      after the error skips on rank 0 too, with the same scale everywhere;
     - a Partial gradient (a sum pending), with a group of the rank alone: refused;
-    - norm_type 3 (torch's clip, one rank's shards only): refused;
-    - with 4 ranks, a group holding half the shards of a gradient sharded over all 4: refused;
-      on a 2 x 2 mesh with the diagonal groups {0, 3} and {1, 2}: (Replicate, Replicate) counts
-      each element twice (refused), (Replicate, Shard) holds each once (accepted)."""
+    - norm_type 3: right over DTensors (torch's clip reduces them), refused over plain shards;
+    - with 4 ranks: a group holding half the shards of a gradient sharded over all 4 (refused);
+      on a 2 x 2 mesh with the diagonal groups {0, 3} and {1, 2}, (Replicate, Replicate) counts
+      each element twice (refused) and (Replicate, Shard) holds each once (accepted); FSDP2 x TP
+      on a 2 x 2 mesh (its strided shards over the data-parallel dimension): accepted."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Partial, Replicate, Shard
@@ -377,13 +390,21 @@ def scenario_mesh_checks(rank, world):
     fully_shard(whole, mesh=line)
     params = _backward(whole)
     rec["whole"] = _clip_of(params, dist.group.WORLD)
+    rec["no_group"] = _clip_of(params, None, sharded=False)
     rec["p3"] = _clip_of(params, dist.group.WORLD, 3.0)
+    hand = torch.nn.Parameter(torch.ones(5))  # hand-sharded: a plain shard per rank
+    hand.grad = torch.arange(5.0) + rank
+    rec["p3_plain"] = _clip_of([hand], dist.group.WORLD, 3.0)
     plain = torch.nn.Parameter(torch.ones(3))
     plain.grad = torch.full((3,), 4.0)
     rec["plain"] = _clip_of(params + [plain], dist.group.WORLD)
     # only rank 0 has the plain gradient: it refuses, the others must not wait for it forever
-    plain.grad = plain.grad if rank == 0 else None
-    rec["plain_on_rank0"] = _clip_of(params + [plain], dist.group.WORLD)
+    for first in (False, True):
+        plain.grad = torch.full((3,), 4.0) if rank == 0 else None
+        for p in params:
+            p.grad = p.grad * 4.0  # scaled again (the last clip unscaled them)
+        rec[f"plain_on_rank0{'_after_unscale' if first else ''}"] = _clip_of(
+            params + [plain], dist.group.WORLD, unscale_first=first, step=True)
     singles = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
     # (over the whole world the duplicate-coordinates rule refuses a Partial too; over the rank
     # itself only the Partial rule does)
@@ -396,7 +417,25 @@ def scenario_mesh_checks(rank, world):
         diagonal = diagonals[0 if rank in (0, 3) else 1]
         rec["diag_replicated"] = _clip_of([_dtensor_param(square, [Replicate(), Replicate()], 2)], diagonal)
         rec["diag_sharded"] = _clip_of([_dtensor_param(square, [Replicate(), Shard(0)], 3)], diagonal)
+        rec["fsdp_tp"] = _clip_of(_fsdp_tp(rank), dist.group.WORLD)
     return rec
+
+
+def _fsdp_tp(rank):
+    """FSDP2 x TP on a 2 x 2 (dp, tp) mesh, Lightning's recipe: its parameters' gradients are
+    strided shards over dp and shards over tp."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8, bias=False))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    torch.manual_seed(rank // 2)
+    model(torch.randn(4, 8)).square().sum().backward()
+    return list(model.parameters())
 
 
 SCENARIOS = {"manual": scenario_manual, "fsdp2": scenario_fsdp2, "fsdp1": scenario_fsdp1, "ddp": scenario_ddp,

@@ -119,25 +119,29 @@ def test_sharded_norm_refuses_the_layouts_it_would_get_wrong(world_results):
     accepted one gives the norm of the full gradients (_dist_workers.scenario_mesh_checks)."""
     world, recs = _scenario(world_results, "mesh_checks")
     refused = {"submesh": "leaves out rank(s)", "plain": "a plain tensor beside DTensor gradients",
-               "pending": "(a sum still pending)", "p3": "norm_type=3.0"}
-    accepted = ["whole"]
+               "pending": "(a sum still pending)", "p3_plain": "norm_type=3.0",
+               "no_group": "this scaler agrees over none"}
+    accepted = ["whole", "p3"]
     if world == 4:
         refused.update(halves="leave the other shards out", diag_replicated="hold the same part of it")
-        accepted.append("diag_sharded")
+        accepted += ["diag_sharded", "fsdp_tp"]
     for rank, rec in enumerate(recs):
         for name, words in refused.items():
-            message, norm = rec[name][:2]
-            assert message is not None and words in message, (name, message, norm)
+            assert rec[name]["message"] is not None and words in rec[name]["message"], (name, rec[name])
         for name in accepted:
-            message, norm, truth, found = rec[name]
-            assert message is None and norm == pytest.approx(truth, rel=1e-5) and found == 0.0, (name, rec[name])
+            r = rec[name]
+            assert r["message"] is None and r["norm"] == pytest.approx(r["truth"], rel=1e-5), (name, r)
+            assert r["found"] == 0.0, (name, r)
         # a layout refused on one rank only: that rank raises, the others learn of it in the same
-        # all-reduce and skip the step (before, they waited there until the group's timeout)
-        if rank == 0:
-            assert "a plain tensor beside DTensor gradients" in rec["plain_on_rank0"][0]
-        else:
-            message, norm, _, found = rec["plain_on_rank0"]
-            assert message is None and norm == math.inf and found == 1.0, rec["plain_on_rank0"]
+        # all-reduce and skip the step (before, they waited there until the group's timeout); a
+        # step() after the error skips on the refusing rank too, with no collective of its own
+        for name in ("plain_on_rank0", "plain_on_rank0_after_unscale"):
+            r = rec[name]
+            if rank == 0:
+                assert "a plain tensor beside DTensor gradients" in r["message"], (name, r)
+            else:
+                assert r["message"] is None and r["norm"] == math.inf, (name, r)
+            assert r["found"] == 1.0 and r["skipped"] and r["scale"] == 2.0, (name, r)
 
 
 # ---- single process ------------------------------------------------------------------------
