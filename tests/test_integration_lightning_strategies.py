@@ -222,8 +222,8 @@ SOME_GROUP = object()  # stands for a process group: these checks refuse before 
 def test_a_sharded_clip_refuses_a_plain_parameter_at_every_clip(monkeypatch, scaler):
     """A parameter left out of configure_model's parallelization is a plain tensor, whole on every
     rank: the clip's norm summed over the ranks would count it once per rank. Checked at every
-    clip (a frozen layer may be unfrozen later: until then it has no gradient and passes), for a
-    scaler given a group and for ShardedGradScaler (the default group, process_group None)."""
+    clip (a frozen layer may be unfrozen later), for a scaler given a group and for
+    ShardedGradScaler (the default group, process_group None)."""
     import ampx.integrations.lightning as plugin_module
 
     monkeypatch.setattr(plugin_module, "_group_size", lambda group: 2)  # as on 2 ranks
@@ -237,11 +237,11 @@ def test_a_sharded_clip_refuses_a_plain_parameter_at_every_clip(monkeypatch, sca
     model.bias.grad = torch.full_like(model.bias, 3.0)
     with pytest.raises(ValueError, match="parameter bias is a plain tensor, not a DTensor"):
         plugin.clip_gradients(opt, 1.0)
-    model.weight.requires_grad_(True)  # unfrozen: its gradient now counts as well
+    model.weight.requires_grad_(True)  # unfrozen: it counts as well from the next clip on
     model.weight.grad = torch.full_like(model.weight, 3.0)
-    model.bias.grad = None
     with pytest.raises(ValueError, match="parameter weight is a plain tensor, not a DTensor"):
         plugin.clip_gradients(opt, 1.0)
+    assert torch.equal(model.bias.grad, torch.full_like(model.bias, 3.0))  # nothing unscaled or clipped
 
 
 def test_a_reused_plugin_drops_its_group_under_another_strategy():

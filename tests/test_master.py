@@ -188,6 +188,25 @@ def test_clip_with_masters_equals_torch_clip_of_the_fp32_gradients(unscale_first
         torch.testing.assert_close(a, b, rtol=5e-7, atol=0)  # a few float32 ulps: coef rounds differently
 
 
+def test_unscale_then_clip_with_masters_reports_the_overflow_by_name():
+    """The clip after unscale_ reads the masters' gradients; the overflow report stays unscale_'s,
+    by the model's parameter names (the masters have none)."""
+    ps = [torch.nn.Parameter(torch.randn(n).to(torch.bfloat16)) for n in (4, 3)]
+    opt = ampx.MasterWeights(torch.optim.SGD(ps, lr=1.0))
+    scaler = ampx.GradScaler("cpu", init_scale=4.0, named_parameters=[("a", ps[0]), ("b", ps[1])])
+    scaler.scale(torch.ones(()))
+    ps[0].grad = torch.ones(4, dtype=torch.bfloat16)
+    ps[1].grad = torch.tensor([1.0, math.inf, 2.0], dtype=torch.bfloat16)
+    before = [m.clone() for m in opt.masters]
+    scaler.unscale_(opt)
+    assert not math.isfinite(float(scaler.clip_grad_norm_(opt, 1.0)))
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped and scaler.get_scale() == 2.0
+    assert scaler.overflow_report().inf == ["b"]
+    assert all(torch.equal(m, b) for m, b in zip(opt.masters, before))
+
+
 def test_a_disabled_scaler_and_an_lr_scheduler_drive_masters(native_bf16):
     model = _mlp()
     opt = ampx.MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1), model=model, dtype=torch.bfloat16)

@@ -304,20 +304,23 @@ def _fitting(model):
 
 
 def _refuse_plain_parameters(optimizer, scaler):
-    """Before each clip by a sharded scaler: every parameter with a gradient must be a DTensor.
-    A plain one (a module left out of configure_model's parallelization) holds a whole copy of
-    its gradient on every rank, which the norm summed over the ranks would add once per rank
-    (the scaler refuses it beside DTensor gradients; this covers a model with none, and
-    ampx.sharding.check_sharded_placements the DTensor ones)."""
-    for group in optimizer.param_groups:
-        for i, p in enumerate(group["params"]):
-            if p.grad is not None and not hasattr(p, "device_mesh"):
-                who = scaler._param_names.get(id(p)) or f"parameter {i} (shape {tuple(p.shape)})"
-                raise ValueError(
-                    f"AmpxPrecision: under ModelParallelStrategy the parameter {who} is a plain tensor, not a "
-                    "DTensor, so every rank holds a whole copy of its gradient and the clip's norm, summed over "
-                    "the ranks, would count it once per rank. Parallelize or fully_shard the module that holds "
-                    "it in configure_model (nothing was clipped)")
+    """Before each clip by a sharded scaler, for an optimizer with no DTensor parameter at all (a
+    model configure_model left unparallelized): each plain parameter holds a whole copy of its
+    gradient on every rank, which the norm summed over the ranks would add once per rank. Decided
+    from ``requires_grad`` (the same on every rank, so every rank refuses together: none waits in
+    the all-reduce); unfreezing a layer later is seen at the next clip. Plain parameters beside
+    DTensor ones are refused by the scaler itself, on every rank together."""
+    params = [(i, p) for group in optimizer.param_groups for i, p in enumerate(group["params"])]
+    if any(hasattr(p, "device_mesh") for _, p in params):
+        return
+    for i, p in params:
+        if p.requires_grad:
+            who = scaler._param_names.get(id(p)) or f"{i} (shape {tuple(p.shape)})"
+            raise ValueError(
+                f"AmpxPrecision: under ModelParallelStrategy the parameter {who} is a plain tensor, not a "
+                "DTensor, so every rank holds a whole copy of its gradient and the clip's norm, summed over "
+                "the ranks, would count it once per rank. Parallelize or fully_shard the module that holds "
+                "it in configure_model (nothing was clipped)")
 
 
 def _model_device(model, default):
