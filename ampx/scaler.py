@@ -171,7 +171,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                 if for_norm and self._sharded:
                     check_sharded_placements(g, self._param_names.get(id(p)), len(out), self.process_group)
                 elif for_norm and is_sharded_dtensor(g) and _group_size(None) > 1:
-                    who = self._param_names.get(id(p)) or f"parameter {len(out)} with a gradient, shape {tuple(p.shape)}"
+                    who = _who(self._param_names, p, len(out))
                     raise ValueError(
                         f"ampx.GradScaler: the gradient of {who} is a DTensor sharded over {g.device_mesh.size()} "
                         "ranks, and this scaler agrees over none, so its norm would be this rank's shards' only "
@@ -259,7 +259,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         """Before the passes of gradients on several devices: every device is one ampx runs on,
         and no float16 gradient is refused; errors name the parameter as the optimizer has it."""
         for i, (p, g, d) in enumerate(zip(params, grads, devices)):
-            who = self._param_names.get(id(p)) or f"parameter {i} with a gradient, shape {tuple(p.shape)}"
+            who = _who(self._param_names, p, i)
             if d < -1:
                 raise ValueError(f"ampx.GradScaler: the gradient of {who} is on device {g.device}; ampx "
                                  "works on CPU and CUDA tensors (nothing was unscaled)")
@@ -707,6 +707,11 @@ def _takes_no_found_inf(optimizer):
     return type(optimizer).__module__.startswith("torch.optim.") and bool(optimizer.defaults.get("fused"))
 
 
+def _who(names, p, i):
+    """How errors name the i-th parameter with a gradient: its watched name, else its place."""
+    return names.get(id(p)) or f"parameter {i} with a gradient, shape {tuple(p.shape)}"
+
+
 def _group_size(group):
     import torch.distributed as dist
 
@@ -730,7 +735,7 @@ def _refuse_plain_beside_dtensors(params, names):
         return  # plain gradients only: FSDP1's flat shards, or hand-sharded ones
     for i, p in enumerate(params):
         if not hasattr(p.grad, "to_local"):
-            who = names.get(id(p)) or f"parameter {i} with a gradient, shape {tuple(p.shape)}"
+            who = _who(names, p, i)
             raise LayoutRefused(
                 f"ampx.GradScaler(process_group=...): the gradient of {who} is a plain tensor beside DTensor "
                 "gradients, so every rank holds a whole copy of it and a norm summed over the group would count "

@@ -5,6 +5,7 @@ the combination of per-device partial norms (``combine``) and the check that a n
 over the scaler's group counts every element once (``check_sharded_placements``). The scaler
 (ampx/scaler.py) decides when to call them; everything goes through torch.distributed.
 """
+import functools
 import math
 
 import torch
@@ -96,10 +97,10 @@ class LayoutRefused(ValueError):
 
 
 def check_sharded_placements(grad, name, index, group):
-    """Raises ValueError, naming the parameter, unless a norm summed over ``group`` counts each
-    element of this DTensor gradient exactly once (``_layout_problem``). The verdict depends only
-    on the mesh, the placements and the group, so it is worked out once for each. Raises
-    LayoutRefused (a ValueError)."""
+    """Raises LayoutRefused (a ValueError), naming the parameter, unless a norm summed over
+    ``group`` counts each element of this DTensor gradient exactly once (``_layout_problem``).
+    The verdict depends only on the mesh, the placements and the group, so it is worked out
+    once for each."""
     import torch.distributed as dist
 
     # (the default group as its object: a re-initialised one is another key)
@@ -170,15 +171,18 @@ def _layout_problem(mesh, placements, group):
 def _is_shard(placement):
     """Shard, or the strided shard FSDP2 makes over the data-parallel dimension of a
     tensor-parallel parameter (not a Shard subclass in every torch): each rank a distinct part."""
+    return isinstance(placement, _shard_types())
+
+
+@functools.lru_cache(maxsize=None)
+def _shard_types():
     from torch.distributed.tensor import Shard
 
-    if isinstance(placement, Shard):
-        return True
     try:
         from torch.distributed.tensor.placement_types import _StridedShard
     except ImportError:
-        return False
-    return isinstance(placement, _StridedShard)
+        return (Shard,)
+    return (Shard, _StridedShard)
 
 
 def is_sharded_dtensor(grad):
