@@ -78,8 +78,11 @@ class AmpxPrecision(MixedPrecision):
 
     When the fit (or validate, test, predict) sets up, before any step, it also raises
     MisconfigurationException under ``FSDPStrategy`` or ``DeepSpeedStrategy`` (each needs
-    Lightning's own plugin; the message says which), and ValueError under a multi-process
-    ``ModelParallelStrategy`` when the ``scaler`` given has no ``process_group``.
+    Lightning's own plugin; the message says which); ValueError when a ``scaler`` given is
+    unsharded under a multi-process ``ModelParallelStrategy``, or sharded under any other
+    multi-process strategy; RuntimeError under a multi-process ``ModelParallelStrategy``
+    without a default process group. A sharded clip raises ValueError for a model with no
+    DTensor parameter (each plain one whole on every rank).
     """
 
     def __init__(self, precision="16-mixed", device=None, scaler=None, *, log_stats=False, grad_buffer=False,
@@ -161,10 +164,10 @@ class AmpxPrecision(MixedPrecision):
                     "ampx.GradScaler(process_group=...)")
             if grouped and not sharded and _group_size(self.scaler.process_group) > 1:
                 raise ValueError(
-                    "AmpxPrecision: the scaler passed has a process_group, but under this strategy every rank "
-                    "holds the whole gradients (DDP averages them), so a norm summed over the group would "
-                    "count each gradient once per rank. Pass a scaler without process_group (sharded "
-                    "gradients only: ModelParallelStrategy)")
+                    "AmpxPrecision: the scaler passed is sharded (a process_group, or ampx.ShardedGradScaler), "
+                    "but under this strategy every rank holds the whole gradients (DDP averages them), so a norm "
+                    "summed over the group would count each gradient once per rank. Pass an ampx.GradScaler "
+                    "without process_group (sharded scalers are for sharded gradients: ModelParallelStrategy)")
         elif device != self.device or sharded != grouped:
             if sharded and not torch.distributed.is_initialized():
                 raise RuntimeError(
@@ -310,10 +313,10 @@ def _refuse_plain_parameters(optimizer, scaler):
     from ``requires_grad`` (the same on every rank, so every rank refuses together: none waits in
     the all-reduce); unfreezing a layer later is seen at the next clip. Plain parameters beside
     DTensor ones are refused by the scaler itself, on every rank together."""
-    params = [(i, p) for group in optimizer.param_groups for i, p in enumerate(group["params"])]
-    if any(hasattr(p, "device_mesh") for _, p in params):
-        return
-    for i, p in params:
+    groups = optimizer.param_groups
+    if any(hasattr(p, "device_mesh") for group in groups for p in group["params"]):
+        return  # (at the first parameter, for a parallelized model: this runs at every clip)
+    for i, p in enumerate(p for group in groups for p in group["params"]):
         if p.requires_grad:
             who = scaler._param_names.get(id(p)) or f"{i} (shape {tuple(p.shape)})"
             raise ValueError(
