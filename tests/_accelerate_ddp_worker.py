@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from accelerate import Accelerator, DistributedDataParallelKwargs  # noqa: E402
 
 from _accel_helpers import InfAt  # noqa: E402
+from _worker_exit import exit_now  # noqa: E402
 from ampx.integrations.accelerate import patch  # noqa: E402
 
 
@@ -62,10 +63,4 @@ def main(out_dir, mode="plain"):
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
-    # Everything this test reads is in the JSON file, and the gloo group is ended above. Skip
-    # interpreter finalization: there gloo's worker threads can still hold tensors and abort the
-    # process (torch's known gloo shutdown crash: "terminate called without an active exception",
-    # seen in CI once in each of these workers).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()

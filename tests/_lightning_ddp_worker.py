@@ -18,6 +18,7 @@ import lightning as L  # noqa: E402
 
 from ampx.integrations.lightning import AmpxPrecision  # noqa: E402
 from test_integration_lightning import Net, batches  # noqa: E402
+from _worker_exit import end_group, exit_now  # noqa: E402
 
 BAD_STEP = 5
 
@@ -56,19 +57,9 @@ def main(outdir):
     }
     with open(os.path.join(outdir, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(out, f)
-    # Lightning leaves the gloo group up; torn down at interpreter exit it can abort the process
-    # ("terminate called without an active exception", seen once in CI): end it here, together.
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_group()  # Lightning leaves the gloo group up (_worker_exit.py says why it must end here)
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    # Everything this test reads is in the JSON file, and the gloo group is ended above. Skip
-    # interpreter finalization: there gloo's worker threads can still hold tensors and abort the
-    # process (torch's known gloo shutdown crash: "terminate called without an active exception",
-    # seen in CI once in each of these workers).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()

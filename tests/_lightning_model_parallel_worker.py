@@ -30,6 +30,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 from ampx.integrations.lightning import AmpxPrecision  # noqa: E402
 from test_integration_lightning import Net, batches  # noqa: E402
+from _worker_exit import end_group, exit_now  # noqa: E402
 
 BAD_STEP = 5
 STEPS = 12
@@ -82,14 +83,9 @@ def main(outdir):
     fit("stock", MixedPrecision("bf16-mixed", "cpu"), outdir)
     fit("ampx", AmpxPrecision("bf16-mixed"), outdir)
     fit("inf", AmpxPrecision("16-mixed", hysteresis=2), outdir, inject_at={BAD_STEP})
-    # End the gloo group here, together (see _lightning_ddp_worker.py for why).
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip finalization: gloo's threads can abort it (see _lightning_ddp_worker.py)
+    exit_now()

@@ -38,6 +38,7 @@ from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 
 import ampx  # noqa: E402
 from _accel_helpers import InfAt, count_clips, reset_accelerate  # noqa: E402
+from _worker_exit import end_group, exit_now  # noqa: E402
 from ampx.integrations.accelerate import is_patched  # noqa: E402
 from ampx.integrations.transformers import Trainer  # noqa: E402
 from test_integration_transformers import BATCH, INF_STEP, NAME, SCALER, STEPS, _data, _model  # noqa: E402
@@ -185,14 +186,9 @@ def main(out_dir, *modes):
         torch.save({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, stem + ".pt")
         with open(stem + ".json", "w") as f:
             json.dump(seen, f)
-    dist.barrier()  # neither rank tears gloo down while the other still talks
-    dist.destroy_process_group()
+    end_group()
 
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
-    # As in the other DDP workers: everything the test reads is written and the gloo group is
-    # ended; skip interpreter finalization, where gloo's threads can abort the process.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()
