@@ -75,54 +75,9 @@ static int contiguous_copy(mstate *st, PyObject *t, PyObject **out, char **ptr)
     return 0;
 }
 
-/* Puts "op: arg[i]: " before the message of the exception being raised about
- * tensor arg[i] when torch raised it (ampx's own messages name all three
- * already), keeping its type. Returns -1, for `return with_context(...)`. */
-static int with_context(const char *op, const char *arg, Py_ssize_t i)
-{
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    PyObject *str = value != NULL ? PyObject_Str(value) : NULL;
-    PyObject *text = str != NULL ? PyUnicode_AsUTF8String(str) : NULL; /* limited API: via bytes */
-    Py_XDECREF(str);
-    const char *msg = text != NULL ? PyBytes_AsString(text) : NULL;
-    if (msg == NULL || strncmp(msg, op, strlen(op)) == 0) {
-        PyErr_Clear();
-        Py_XDECREF(text);
-        PyErr_Restore(type, value, tb);
-        return -1;
-    }
-    PyObject *redo = PyUnicode_FromFormat("%s: %s[%zd]: %s", op, arg, i, msg);
-    Py_DECREF(text);
-    if (redo == NULL) {
-        PyErr_Clear();
-        PyErr_Restore(type, value, tb);
-        return -1;
-    }
-    PyErr_SetObject(type, redo);
-    Py_DECREF(redo);
-    /* the new exception's cause is the original, as `raise ... from` would make it */
-    PyObject *t2, *v2, *tb2;
-    PyErr_Fetch(&t2, &v2, &tb2);
-    PyErr_NormalizeException(&t2, &v2, &tb2);
-    if (v2 != NULL && value != NULL)
-        PyException_SetCause(v2, value); /* steals the reference to value */
-    else
-        Py_XDECREF(value);
-    Py_XDECREF(type);
-    Py_XDECREF(tb);
-    PyErr_Restore(t2, v2, tb2);
-    return -1;
-}
-
 /* ---- gathering ------------------------------------------------------------- */
 
-/* Whether t is a plain torch.Tensor or Parameter: the tensors the shim reads. */
-static int is_plain(mstate *st, PyObject *t)
-{
-    return Py_TYPE(t) == (PyTypeObject *)st->tensor_type || Py_TYPE(t) == (PyTypeObject *)st->param_type;
-}
+#define is_plain tensor_is_plain
 
 /* Prefetch distances (in tensors) of the shim's three stages (torch_shim.h). */
 #define PF_OBJ 12
@@ -221,12 +176,13 @@ static int read_by_attributes(mstate *st, const char *op, const char *arg, PyObj
             return -1;
         L->lo[i] = (uintptr_t)d->ptr;
         L->hi[i] = L->lo[i] + (uintptr_t)(d->numel * ampx_elem_size(d->dtype));
-        return 0;
+        return check_in_storage(st, op, arg, i, t, L->lo[i], L->hi[i], ampx_elem_size(d->dtype));
     }
     L->nc[i] = 1;
     L->any_nc = 1;
     int overlap = 0;
-    if (strided_extent(st, t, ampx_elem_size(d->dtype), &L->lo[i], &L->hi[i], &overlap, &L->layout[i]) < 0)
+    if (strided_extent(st, t, ampx_elem_size(d->dtype), &L->lo[i], &L->hi[i], &overlap, &L->layout[i]) < 0 ||
+        check_in_storage(st, op, arg, i, t, L->lo[i], L->hi[i], ampx_elem_size(d->dtype)) < 0)
         return -1;
     if (write && overlap) {
         PyErr_Format(PyExc_ValueError,
@@ -374,7 +330,7 @@ int tlist_gather(mstate *st, const char *op, const char *arg, PyObject *seq, int
         }
         if (read_by_attributes(st, op, arg, t, i, write, refuse_fp16, device, want_neg, L) < 0 ||
             (write && note_version(st, op, arg, i, t, infmode, L) < 0)) {
-            with_context(op, arg, i);
+            add_context(op, arg, i);
             goto error;
         }
     }

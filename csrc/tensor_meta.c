@@ -13,6 +13,7 @@
 #include "tensor_meta.h"
 
 #include <stdio.h>
+#include <string.h>
 
 #include "torch_shim.h"
 
@@ -67,6 +68,66 @@ static int get_bool_attr(PyObject *obj, PyObject *name, int *out) { return take_
     "torch's efficient zero tensors); pass a tensor with storage (for a DTensor: .to_local(); "      \
     "otherwise .to_dense() or .clone())"
 
+/* Puts "op: arg[i]: " before the message of the exception being raised about
+ * tensor arg[i] (arg alone when i < 0) when torch raised it (ampx's own messages name all three
+ * already), keeping its type. Returns -1, for `return with_context(...)`. */
+int add_context(const char *op, const char *arg, Py_ssize_t i)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    PyObject *str = value != NULL ? PyObject_Str(value) : NULL;
+    PyObject *text = str != NULL ? PyUnicode_AsUTF8String(str) : NULL; /* limited API: via bytes */
+    Py_XDECREF(str);
+    const char *msg = text != NULL ? PyBytes_AsString(text) : NULL;
+    if (msg == NULL || strncmp(msg, op, strlen(op)) == 0) {
+        PyErr_Clear();
+        Py_XDECREF(text);
+        PyErr_Restore(type, value, tb);
+        return -1;
+    }
+    PyObject *redo = i >= 0 ? PyUnicode_FromFormat("%s: %s[%zd]: %s", op, arg, i, msg)
+                            : PyUnicode_FromFormat("%s: %s: %s", op, arg, msg);
+    Py_DECREF(text);
+    if (redo == NULL) {
+        PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+        return -1;
+    }
+    PyErr_SetObject(type, redo);
+    Py_DECREF(redo);
+    /* the new exception's cause is the original, as `raise ... from` would make it */
+    PyObject *t2, *v2, *tb2;
+    PyErr_Fetch(&t2, &v2, &tb2);
+    PyErr_NormalizeException(&t2, &v2, &tb2);
+    if (v2 != NULL && value != NULL)
+        PyException_SetCause(v2, value); /* steals the reference to value */
+    else
+        Py_XDECREF(value);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    PyErr_Restore(t2, v2, tb2);
+    return -1;
+}
+
+/* Raises for tensor t with a NULL data pointer: a storage shrunk to nothing
+ * under it (untyped_storage().resize_(0)) or no storage of its own. */
+static int null_data_error(mstate *st, PyObject *t)
+{
+    PyObject *s = call0(t, st->s_untyped_storage);
+    int64_t nbytes = -1;
+    if (s == NULL || get_int64(s, st->s_nbytes, &nbytes) < 0)
+        PyErr_Clear();
+    Py_XDECREF(s);
+    if (nbytes == 0)
+        PyErr_SetString(PyExc_RuntimeError,
+                        "it holds elements but its storage holds no bytes (was the storage shrunk with "
+                        "untyped_storage().resize_()?); nothing was read or written");
+    else
+        PyErr_Format(st->layout_error, "a %R " NO_STORAGE_HINT, (PyObject *)Py_TYPE(t));
+    return -1;
+}
+
 int get_data_ptr(mstate *st, PyObject *t, char **out)
 {
     PyObject *r = call0(t, st->s_data_ptr);
@@ -79,11 +140,8 @@ int get_data_ptr(mstate *st, PyObject *t, char **out)
     }
     void *p = PyLong_AsVoidPtr(r);
     Py_DECREF(r);
-    if (p == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_Format(st->layout_error, "a %R " NO_STORAGE_HINT, (PyObject *)Py_TYPE(t));
-        return -1;
-    }
+    if (p == NULL)
+        return PyErr_Occurred() ? -1 : null_data_error(st, t);
     *out = (char *)p;
     return 0;
 }
@@ -358,6 +416,44 @@ done:
     return rc;
 }
 
+/* ---- storage bounds ------------------------------------------------------------ */
+
+/* Whether [lo, hi) lies inside the storage of t, asked from Python
+ * (t.untyped_storage()): 1, 0, or -1 with an exception set. */
+static int in_storage_by_attributes(mstate *st, PyObject *t, uintptr_t lo, uintptr_t hi)
+{
+    PyObject *s = call0(t, st->s_untyped_storage);
+    if (s == NULL)
+        return -1;
+    int64_t base = 0, nbytes = 0;
+    int rc = get_int64(s, st->s_data_ptr, &base) < 0 || get_int64(s, st->s_nbytes, &nbytes) < 0 ? -1 : 0;
+    Py_DECREF(s);
+    if (rc < 0)
+        return -1;
+    return lo >= (uintptr_t)base && hi >= lo && hi - (uintptr_t)base <= (uintptr_t)nbytes;
+}
+
+int check_in_storage(mstate *st, const char *op, const char *arg, Py_ssize_t i, PyObject *t, uintptr_t lo,
+                     uintptr_t hi, int64_t es)
+{
+    int ok = -1;
+    if (ampx_shim_enabled() && tensor_is_plain(st, t))
+        ok = ampx_shim_in_storage(t, (int64_t)((hi - lo) / (uintptr_t)es), es);
+    if (ok < 0 && (ok = in_storage_by_attributes(st, t, lo, hi)) < 0)
+        return -1;
+    if (ok)
+        return 0;
+    char where[32] = "";
+    if (i >= 0)
+        snprintf(where, sizeof where, "[%zd]", i);
+    PyErr_Format(PyExc_RuntimeError,
+                 "%s: %s%s reaches past the end of its storage: its elements span %zu bytes, more than the "
+                 "storage holds from its offset (was the storage shrunk with untyped_storage().resize_()?); "
+                 "nothing was read or written",
+                 op, arg, where, (size_t)(hi - lo));
+    return -1;
+}
+
 /* ---- auxiliary tensors and factors ------------------------------------------ */
 
 int aux_ptr(mstate *st, const char *op, const char *name, PyObject *o, PyObject *dtype, int64_t numel,
@@ -412,8 +508,25 @@ int aux_ptr(mstate *st, const char *op, const char *name, PyObject *o, PyObject 
         return -1;
     }
     char *p = NULL;
-    if (numel > 0 && get_data_ptr(st, o, &p) < 0) /* an empty output has no storage to point at */
+    if (numel == 0) { /* an empty output has no storage to point at */
+        *ptr = p;
+        return 0;
+    }
+    /* flags and events are uint8, the rest float32 or int32 */
+    int64_t es = dtype == st->dtype_u8 ? 1 : 4;
+    unsigned char neg = 0;
+    if ((get_data_ptr(st, o, &p) < 0 && add_context(op, name, -1) < 0) ||
+        check_in_storage(st, op, name, -1, o, (uintptr_t)p, (uintptr_t)p + (uintptr_t)(numel * es), es) < 0 ||
+        neg_flag(st, o, &neg) < 0)
         return -1;
+    if (neg) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: %s has torch's negative bit set (a torch._neg_view() or .conj().imag view): its "
+                     "memory holds the negated values, which ampx would read and write as they are; pass a "
+                     "tensor without it (t.resolve_neg() makes one)",
+                     op, name);
+        return -1;
+    }
     *ptr = p;
     return 0;
 }

@@ -33,6 +33,25 @@ int take_bool(PyObject *r, int *out);
 /* obj.<method>() as an int64. */
 int get_int64(PyObject *obj, PyObject *method, int64_t *out);
 
+/* Whether t is a plain torch.Tensor or Parameter: the tensors the shim reads. */
+static inline int tensor_is_plain(mstate *st, PyObject *t)
+{
+    return Py_TYPE(t) == (PyTypeObject *)st->tensor_type || Py_TYPE(t) == (PyTypeObject *)st->param_type;
+}
+
+/* Checks that the bytes [lo, hi) that tensor t's elements span (element size
+ * es, lo its first element) lie inside t's storage, before any kernel or copy
+ * touches them: a storage shrunk under its tensor (untyped_storage().resize_())
+ * holds fewer bytes than the tensor's shape says. Raises RuntimeError naming
+ * arg[i] (arg alone when i < 0). */
+int check_in_storage(mstate *st, const char *op, const char *arg, Py_ssize_t i, PyObject *t, uintptr_t lo,
+                     uintptr_t hi, int64_t es);
+
+/* Puts "op: arg[i]: " ("op: arg: " when i < 0) before the message of the
+ * exception being raised, unless it names op already; keeps its type and
+ * chains the original as its cause. Returns -1. */
+int add_context(const char *op, const char *arg, Py_ssize_t i);
+
 /* The data pointer of a tensor known to hold elements; a NULL one (a wrapper
  * subclass without storage of its own, such as DTensor) is a LayoutError. */
 int get_data_ptr(mstate *st, PyObject *t, char **out);

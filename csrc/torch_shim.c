@@ -69,10 +69,9 @@ static void look_up_all(void *h, const char *const *names, void *const *slots, i
  * to Python. */
 static void open_holds(void *h)
 {
-    static const char *const names[] = {"aoti_torch__reinterpret_tensor", "aoti_torch_delete_tensor_object",
-                                        "aoti_torch_get_storage_offset", "aoti_torch_get_storage_size"};
-    void *const slots[] = {&S.reinterpret, &S.delete_tensor, &S.storage_offset_of, &S.storage_size};
-    look_up_all(h, names, slots, 4);
+    static const char *const names[] = {"aoti_torch__reinterpret_tensor", "aoti_torch_delete_tensor_object"};
+    void *const slots[] = {&S.reinterpret, &S.delete_tensor};
+    look_up_all(h, names, slots, 2);
 }
 
 /* The version-counter functions (torch_shim.h); any missing leaves them off.
@@ -170,6 +169,8 @@ const char *ampx_shim_open(const char *path)
     SYM(S.device_index, shim_get_i32_fn, "aoti_torch_get_device_index");
     SYM(S.layout, shim_get_i32_fn, "aoti_torch_get_layout");
     SYM(S.contiguous, shim_bool_fn, "aoti_torch_is_contiguous");
+    SYM(S.storage_offset_of, shim_i64_fn, "aoti_torch_get_storage_offset");
+    SYM(S.storage_size, shim_i64_fn, "aoti_torch_get_storage_size");
     SYM(dt_f32, shim_i32_fn, "aoti_torch_dtype_float32");
     SYM(dt_f16, shim_i32_fn, "aoti_torch_dtype_float16");
     SYM(dt_bf16, shim_i32_fn, "aoti_torch_dtype_bfloat16");
@@ -244,10 +245,20 @@ int ampx_shim_read(PyObject *t, ampx_shim_meta *m)
     if (m->numel == 0)
         return 1;
     void *p = NULL;
-    if (S.data_ptr(h, &p) != 0 || p == NULL)
+    if (S.data_ptr(h, &p) != 0 || p == NULL || ampx_shim_in_storage(t, m->numel, ampx_elem_size(m->dtype)) != 1)
         return 0;
     m->ptr = (char *)p;
     return 1;
+}
+
+int ampx_shim_in_storage(PyObject *t, int64_t count, int64_t es)
+{
+    void *h = ampx_shim_handle(t);
+    int64_t off = 0, nbytes = 0;
+    if (S.storage_offset_of(h, &off) != 0 || S.storage_size(h, &nbytes) != 0)
+        return -1;
+    /* off * es and count * es stay below nbytes here, so neither can overflow. */
+    return off >= 0 && nbytes >= 0 && off <= nbytes / es && count <= (nbytes - off * es) / es;
 }
 
 void ampx_shim_set_storage_offset(int offset) { S.storage_offset = offset; }

@@ -52,6 +52,12 @@ int ampx_shim_opened(void);
  * Never raises; never calls into Python. */
 int ampx_shim_read(PyObject *t, ampx_shim_meta *m);
 
+/* Whether `count` elements of size es from t's first element lie inside t's
+ * storage (never true of a tensor whose storage was shrunk under it with
+ * untyped_storage().resize_()): 1 yes, 0 no, -1 unknown (a shim call failed). For a plain tensor
+ * the start-up probe accepted. */
+int ampx_shim_in_storage(PyObject *t, int64_t count, int64_t es);
+
 /* The address of the at::Tensor inside t, as the shim functions take it. */
 void *ampx_shim_handle(PyObject *t);
 

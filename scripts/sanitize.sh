@@ -22,5 +22,5 @@ LD_PRELOAD="$asan:$ubsan" ASAN_OPTIONS=detect_leaks=0 \
   "$V/python" -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_errors.py \
   tests/test_numerics.py tests/test_refcounts.py tests/test_threads.py tests/test_cuda.py \
   tests/test_tensor_shim.py tests/test_errors_table.py tests/test_versions.py tests/test_coalesce.py \
-  tests/test_storage_hold.py tests/test_cuda_driver.py tests/test_cuda_graphs.py tests/test_split.py \
+  tests/test_storage_hold.py tests/test_storage_bounds.py tests/test_cuda_driver.py tests/test_cuda_graphs.py tests/test_split.py \
   -k "not emulated and not launcher"
