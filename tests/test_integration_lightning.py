@@ -540,10 +540,14 @@ def test_training_step_returning_none_is_not_clipped(kind, clip_calls):
 
 
 def test_bad_arguments_say_what_to_do():
-    with pytest.raises(ValueError, match="precision must be one of"):
+    with pytest.raises(ValueError, match="Precision must be '16-mixed' or 'bf16-mixed'.*precision must be one of"):
         AmpxPrecision("16-true")
     with pytest.raises(TypeError, match="must be an ampx.GradScaler"):
         AmpxPrecision("16-mixed", scaler=torch.amp.GradScaler("cpu"))
+    from unittest.mock import Mock  # as Lightning's own tests pass a scaler: refused, not replaced
+
+    with pytest.raises(TypeError, match="must be an ampx.GradScaler, not Mock"):
+        AmpxPrecision("16-mixed", scaler=Mock(wraps=ampx.GradScaler("cpu")))
     with pytest.raises(TypeError, match="not both"):
         AmpxPrecision("16-mixed", scaler=ampx.GradScaler("cpu"), hysteresis=2)
     plugin = AmpxPrecision("bf16-mixed", device="cpu", enabled=False)

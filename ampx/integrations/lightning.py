@@ -88,7 +88,9 @@ class AmpxPrecision(MixedPrecision):
     def __init__(self, precision="16-mixed", device=None, scaler=None, *, log_stats=False, grad_buffer=False,
                  **scaler_kwargs):
         if precision not in PRECISIONS:
-            raise ValueError(f"AmpxPrecision: precision must be one of {PRECISIONS}, not {precision!r}")
+            # Lightning's own wording (its tests match on it), then ampx's
+            raise ValueError(f"`Passed `AmpxPrecision(precision={precision!r})`. Precision must be '16-mixed' or "
+                             f"'bf16-mixed' (AmpxPrecision: precision must be one of {PRECISIONS})")
         if scaler is not None and not isinstance(scaler, GradScaler):
             raise TypeError(f"AmpxPrecision: scaler must be an ampx.GradScaler, not {type(scaler).__name__} "
                             "(or leave it out and pass ampx.GradScaler's keywords)")
