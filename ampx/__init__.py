@@ -43,6 +43,7 @@ from .master import MasterWeights  # noqa: E402
 from .policy import PerformanceWarning, Policy  # noqa: E402
 from .prepare import prepare  # noqa: E402  (the function; the module is sys.modules['ampx.prepare'])
 from .scaler import GradScaler, OverflowReport  # noqa: E402
+from .settings import SettingError  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -54,4 +55,4 @@ def __getattr__(name):
 
         return ShardedGradScaler
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-__all__ = ["ops", "cuda", "GradScaler", "ShardedGradScaler", "OverflowReport", "MasterWeights", "GradBuffer", "Policy", "PerformanceWarning", "prepare", "__version__"]
+__all__ = ["ops", "cuda", "GradScaler", "ShardedGradScaler", "OverflowReport", "MasterWeights", "GradBuffer", "Policy", "PerformanceWarning", "prepare", "SettingError", "__version__"]

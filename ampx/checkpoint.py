@@ -11,10 +11,9 @@ from collections import deque
 
 import torch
 
-from . import ops
+from . import ops, settings
 
 _TorchScaler = torch.amp.GradScaler
-GROWTH_TIMINGS = ("torch", "deepspeed")
 
 
 class CheckpointMixin:
@@ -78,33 +77,23 @@ class CheckpointMixin:
                "min_scale": sd.get("min_scale", self._min_scale), "max_scale": sd.get("max_scale", self._max_scale),
                "dynamic": sd.get("dynamic", self._dynamic),
                "growth_timing": sd.get("growth_timing", self.__dict__.get("_growth_timing", "torch"))}
-        if new["growth_timing"] not in GROWTH_TIMINGS:
-            raise ValueError(f"{op}: state_dict['growth_timing'] must be one of {GROWTH_TIMINGS}, "
-                             f"not {new['growth_timing']!r}")
         new["_hysteresis_tracker"] = sd.get("_hysteresis_tracker", new["hysteresis"])
 
         def bad(key, rule):
             raise ValueError(f"{op}: state_dict[{key!r}] must be {rule}, not {sd.get(key)!r}")
 
-        if not (ops._is_real(sd["scale"]) and sd["scale"] >= 0.0):
-            bad("scale", "a number >= 0 (as the constructor's init_scale)")
-        if not (ops._is_real(sd["growth_factor"]) and sd["growth_factor"] > 1.0):
-            bad("growth_factor", "a number > 1 (torch's rule)")
-        if not (ops._is_real(sd["backoff_factor"]) and 0.0 <= sd["backoff_factor"] < 1.0):
-            bad("backoff_factor", "a number in [0, 1)")
-        if not ops._is_count(sd["growth_interval"]):
-            bad("growth_interval", "an integer")
-        low = -1 if new["growth_timing"] == "deepspeed" else 0
-        if not (ops._is_count(sd["_growth_tracker"]) and sd["_growth_tracker"] >= low):
-            bad("_growth_tracker", f"an integer >= {low}")
+        keys = ("scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale",
+                "max_scale", "growth_timing")
+        settings.check_settings(
+            op, {k: f"state_dict[{k!r}]" for k in keys} | {"init_scale": "state_dict['scale']"},
+            init_scale=sd["scale"], growth_factor=sd["growth_factor"], backoff_factor=sd["backoff_factor"],
+            growth_interval=sd["growth_interval"], hysteresis=new["hysteresis"], min_scale=new["min_scale"],
+            max_scale=new["max_scale"], growth_timing=new["growth_timing"])
+        settings.check_growth_tracker(op, "state_dict['_growth_tracker']", sd["_growth_tracker"],
+                                      new["growth_timing"])
         for key in ("consecutive_hysteresis", "dynamic"):
             if not isinstance(new[key], bool):
                 bad(key, "True or False")
-        try:
-            ops.check_scale_rule(op, hysteresis=new["hysteresis"], min_scale=new["min_scale"],
-                                 max_scale=new["max_scale"])
-        except ValueError as e:  # name the key as it is in the dict
-            raise ValueError(str(e).replace(f"{op}: ", f"{op}: state_dict's ", 1)) from None
         hints = sd.get("_clip_active", [])
         if not (isinstance(hints, (list, tuple)) and all(isinstance(h, bool) for h in hints)):
             bad("_clip_active", "a list of True/False")
@@ -124,6 +113,11 @@ class CheckpointMixin:
             state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
             state["_hysteresis_tracker"] = None
         state["_flag_sources"] = {}
+        # Names are keyed by id(parameter), which means nothing in another process (and could
+        # match another object there): they do not travel; reports say so until watch() again.
+        if state.get("_param_names"):
+            state["_names_dropped"] = True
+        state["_param_names"] = {}
         # optimizer ids mean nothing in another process: the clip hints travel as in state_dict
         state["_clip_hints_loaded"] = list(self.__dict__.get("_clip_active", {}).values())
         state["_clip_active"] = {}

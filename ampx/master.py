@@ -25,6 +25,10 @@ __all__ = ["MasterWeights"]
 _LOW = (torch.float16, torch.bfloat16)
 
 
+def _is_u64(x):
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**64
+
+
 class MasterWeights(torch.optim.Optimizer):
     """Steps fp32 master copies of an optimizer's bf16/fp16 parameters.
 
@@ -60,7 +64,7 @@ class MasterWeights(torch.optim.Optimizer):
             raise ValueError(f"rounding must be 'nearest' or 'stochastic', not {rounding!r}")
         if dtype is not None and dtype not in _LOW:
             raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, not {dtype}")
-        if not isinstance(seed, int) or not 0 <= seed < 2**64:
+        if not _is_u64(seed):
             raise ValueError(f"seed must be an integer in [0, 2**64), not {seed!r}")
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
@@ -81,14 +85,32 @@ class MasterWeights(torch.optim.Optimizer):
         self._model_params = []  # the low-precision parameters, in optimizer order
         self._masters = []  # their float32 masters, same order
         self._others = []  # parameters stepped as they are (float32/float64)
+        # Everything that can refuse is checked before the first parameter is cast or adopted.
+        every = [p for group in optimizer.param_groups for p in group["params"]]
+        if not any(self._low_dtype(p) for p in every):
+            raise ValueError("MasterWeights: none of the optimizer's parameters is bfloat16 or float16 "
+                             "(pass dtype=torch.bfloat16 or torch.float16 to cast them)")
+        self._check_rounding(every)
         with torch.no_grad():
             for group in optimizer.param_groups:
                 group["params"] = self._adopt(group["params"])
             if model is not None and dtype is not None:
                 model.to(dtype)
-        if not self._masters:
-            raise ValueError("MasterWeights: none of the optimizer's parameters is bfloat16 or float16 "
-                             "(pass dtype=torch.bfloat16 or torch.float16 to cast them)")
+
+    def _low_dtype(self, p):
+        """The low-precision dtype parameter p will have here, or None if it is stepped as is."""
+        if self._dtype is not None and p.dtype == torch.float32:
+            return self._dtype
+        return p.dtype if p.dtype in _LOW else None
+
+    def _check_rounding(self, params, first=0):
+        if self.rounding != "stochastic":
+            return
+        low = [p for p in params if self._low_dtype(p) is not None]
+        for i, p in enumerate(low):
+            if self._low_dtype(p) != torch.bfloat16:
+                raise ValueError(f"MasterWeights: stochastic rounding writes bfloat16, but parameter "
+                                 f"{first + i} of shape {tuple(p.shape)} is {self._low_dtype(p)} (nothing was cast)")
 
     def _adopt(self, params):
         out = []
@@ -102,9 +124,6 @@ class MasterWeights(torch.optim.Optimizer):
                 self._others.append(p)
                 out.append(p)
                 continue
-            if self.rounding == "stochastic" and p.dtype != torch.bfloat16:
-                raise ValueError(f"MasterWeights: stochastic rounding writes bfloat16, but parameter "
-                                 f"{len(self._model_params)} of shape {tuple(p.shape)} is {p.dtype}")
             state = self.optimizer.state.pop(p, None)
             if state is not None:
                 self.optimizer.state[master] = {
@@ -142,12 +161,48 @@ class MasterWeights(torch.optim.Optimizer):
         return f"MasterWeights({self.optimizer!r}, rounding={self.rounding!r})"
 
     def add_param_group(self, param_group):
+        """As ``torch.optim.Optimizer.add_param_group``; its low-precision parameters get
+        masters. Checked first, by torch's rules on the model's parameters (a set refused, no
+        non-leaf, none already held), so a refusal leaves every list and parameter as it was."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"MasterWeights.add_param_group: param_group must be a dict, not {type(param_group).__name__}")
         param_group = dict(param_group)
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        with torch.no_grad():
-            param_group["params"] = self._adopt(params)
-        self.optimizer.add_param_group(param_group)
+        params = param_group.get("params")
+        if isinstance(params, set):
+            raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering "
+                            "of tensors in sets will change between runs. Please use a list instead.")
+        params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+        self._check_new_params(params)
+        self._check_rounding(params, len(self._model_params))
+        kept = (len(self._model_params), len(self._masters), len(self._others), dict(self.optimizer.state),
+                [(p, p.data) for p in params])
+        try:
+            with torch.no_grad():
+                param_group["params"] = self._adopt(params)
+            self.optimizer.add_param_group(param_group)
+        except BaseException:
+            self._undo_adopt(*kept)
+            raise
+
+    def _check_new_params(self, params):
+        held = {id(p) for p in self._model_params + self._masters + self._others}
+        seen = set()
+        for i, p in enumerate(params):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"MasterWeights.add_param_group: params[{i}] is a {type(p).__name__}, not a Tensor")
+            if not self.defaults.get("differentiable", None) and not (p.is_leaf or p.retains_grad):
+                raise ValueError(f"MasterWeights.add_param_group: params[{i}]: can't optimize a non-leaf Tensor")
+            if id(p) in held or id(p) in seen:
+                raise ValueError(f"MasterWeights.add_param_group: params[{i}] (shape {tuple(p.shape)}) appears in "
+                                 "more than one parameter group (torch's optimizers refuse it too)")
+            seen.add(id(p))
+
+    def _undo_adopt(self, n_model, n_masters, n_others, state, data):
+        del self._model_params[n_model:], self._masters[n_masters:], self._others[n_others:]
+        self.optimizer.state.clear()
+        self.optimizer.state.update(state)
+        for p, d in data:
+            p.data = d
 
     # ---- gradients: model -> masters -----------------------------------------------------
 
@@ -291,13 +346,17 @@ class MasterWeights(torch.optim.Optimizer):
         if len(masters) != len(self._masters):
             raise ValueError(f"the state_dict holds {len(masters)} masters, this optimizer {len(self._masters)}")
         for i, (m, saved) in enumerate(zip(self._masters, masters)):
+            if not (isinstance(saved, torch.Tensor) and saved.is_floating_point() and saved.device.type != "meta"):
+                raise ValueError(f"master {i}: saved as {saved!r:.60}, not a floating tensor with data; nothing was loaded")
             if m.shape != saved.shape:
                 raise ValueError(f"master {i}: saved shape {tuple(saved.shape)}, expected {tuple(m.shape)}")
-        steps, seed = int(extra.get("steps", 0)), int(extra.get("seed", self.seed))
+        steps, seed = extra.get("steps", 0), extra.get("seed", self.seed)
         rounding = extra.get("rounding", self.rounding)
-        if rounding not in ("nearest", "stochastic") or steps < 0:
-            raise ValueError(f"ampx_master_weights holds rounding={rounding!r}, steps={steps}: not a "
-                             "MasterWeights checkpoint")
+        if (rounding not in ("nearest", "stochastic") or not _is_u64(steps) or not _is_u64(seed)):
+            raise ValueError(f"ampx_master_weights holds rounding={rounding!r}, steps={steps!r}, seed={seed!r}: not a "
+                             "MasterWeights checkpoint (rounding 'nearest' or 'stochastic', steps and seed integers "
+                             "in [0, 2**64)); nothing was loaded")
+        steps, seed = int(steps), int(seed)
         self.optimizer.load_state_dict(state_dict)
         self._steps, self.seed = steps, seed
         with torch.no_grad():

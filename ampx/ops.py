@@ -51,6 +51,7 @@ import torch
 
 from . import _C
 from . import cuda as _cuda
+from . import settings
 
 __all__ = [
     "unscale_",
@@ -262,6 +263,12 @@ def _enable_versions():
 _VERSIONS_WHY_NOT = _enable_versions()
 
 
+def _need_factor(op, name, value):
+    """A multiplying op's factor may not be left out: None would read as "multiply by 1"."""
+    if value is None:
+        raise TypeError(f"{op}: {name} must be a float or a 1-element float32 tensor, not None")
+
+
 def unscale_(tensors, inv_scale, found_inf, *, flags=None):
     """Multiplies every tensor in place by ``inv_scale`` and checks for inf/NaN.
 
@@ -283,6 +290,7 @@ def unscale_(tensors, inv_scale, found_inf, *, flags=None):
     """
     tensors = _as_list(tensors, "tensors", "ampx.ops.unscale_")
     op = "ampx.ops.unscale_"
+    _need_factor(op, "inv_scale", inv_scale)
     _check_outputs(op, found_inf=found_inf, flags=flags)
     _C.scale_reduce(op, tensors, _SCALE | _WRITE | _CHECK, factor=inv_scale, factor_name="inv_scale",
                     found_inf=found_inf, flags=flags, **_on(op, _cuda_device(tensors)))
@@ -364,6 +372,7 @@ def mul_(tensors, factor, *, _split=SPLIT_DYNAMIC):
     """
     tensors = _as_list(tensors, "tensors", "ampx.ops.mul_")
     op = "ampx.ops.mul_"
+    _need_factor(op, "factor", factor)
     _C.scale_reduce(op, tensors, _SCALE | _WRITE, factor=factor, **_on(op, _cuda_device(tensors), _split))
 
 
@@ -422,12 +431,8 @@ def cast_(src, dst, *, inv_scale=None, found_inf=None, flags=None, rounding="nea
             seed=seed, offset=offset, rng=None if rng is None else rng.view(torch.uint8), **_on(op, dev))
 
 
-def _is_real(x):
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _is_count(x):
-    return isinstance(x, int) and not isinstance(x, bool) or (isinstance(x, float) and x.is_integer())
+_is_real = settings.is_real
+_is_count = settings.is_count
 
 
 def check_scale_rule(op, *, growth_factor=2.0, backoff_factor=0.5, growth_interval=1, hysteresis=1,

@@ -14,6 +14,7 @@ import warnings
 
 import torch
 
+from . import settings
 from .scaler import GradScaler
 
 __all__ = ["Policy", "PerformanceWarning"]
@@ -207,6 +208,14 @@ class Policy:
         self.loss_scaling = loss_scaling
         self.master_weights = bool(master_weights)
         self.backend = backend
+        # The scaler's settings are checked here, by the scaler's rules, so a bad one is refused
+        # when the policy is built rather than when a scaler or DeepSpeed config is made from it.
+        settings.check_settings(
+            "ampx.Policy", init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+            growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
+            on_min_scale=on_min_scale, growth_timing=growth_timing)
+        if not isinstance(consecutive_hysteresis, bool):
+            raise ValueError(f"ampx.Policy: consecutive_hysteresis must be True or False, not {consecutive_hysteresis!r}")
         self.scaler_kwargs = dict(init_scale=init_scale, growth_factor=growth_factor,
                                   backoff_factor=backoff_factor, growth_interval=growth_interval,
                                   hysteresis=hysteresis, consecutive_hysteresis=consecutive_hysteresis,
@@ -335,6 +344,9 @@ class Policy:
                 scale, an init_scale that is not a power of two, a fractional min_scale), or a
                 conflict with ``base``.
         """
+        if base is not None and not isinstance(base, dict):
+            raise TypeError(f"ampx.Policy.deepspeed_config: base must be a dict (DeepSpeed's config) or None, not "
+                            f"{type(base).__name__}")
         cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (base or {}).items()}
         if self.dtype == torch.float32:
             for key in ("fp16", "bf16"):

@@ -308,6 +308,7 @@ def prepare(model, optimizer=None, policy="auto", backend="auto", *, deepspeed_c
     with a warning and the scaler for its wrapper.
 
     Raises:
+        TypeError: model is not an nn.Module, or optimizer neither an optimizer nor None.
         ValueError: an unknown backend or policy; backend and policy.backend disagree; DDP or
             FSDP asked for on one process with no distributed environment; deepspeed_config
             without backend='deepspeed'; an incomplete or
@@ -317,6 +318,11 @@ def prepare(model, optimizer=None, policy="auto", backend="auto", *, deepspeed_c
             with a rank or world size the environment contradicts; the policy's device is cuda
             without CUDA.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"ampx.prepare: model must be a torch.nn.Module, not {type(model).__name__}")
+    if optimizer is not None and not hasattr(optimizer, "param_groups"):
+        raise TypeError(f"ampx.prepare: optimizer must be a torch.optim.Optimizer or None, not "
+                        f"{type(optimizer).__name__}")
     if backend not in _BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {_BACKENDS}")
     env = distributed_env()

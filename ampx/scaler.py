@@ -5,16 +5,17 @@ stage machine, error messages and ``state_dict`` keys, and replaces the work: ev
 inf check, norm and scale update is one call of an ``ampx.ops`` kernel over all gradients of a
 device, whatever their dtypes.
 """
+import inspect
 import math
 import weakref
 
 import torch
 from torch.amp.grad_scaler import OptState
 
-from . import _C, ops
+from . import _C, ops, settings
 from .cuda import _capturing
 from .master import MasterWeights
-from .checkpoint import GROWTH_TIMINGS, CheckpointMixin
+from .checkpoint import CheckpointMixin
 from .sharding import LayoutRefused, agree, check_sharded_placements, combine, is_sharded_dtensor
 from .telemetry import OverflowReport, TelemetryMixin, _LazySkip
 
@@ -23,7 +24,6 @@ __all__ = ["GradScaler", "ShardedGradScaler", "OverflowReport"]
 _TorchScaler = torch.amp.GradScaler
 
 _ORD = {2.0: _C.REDUCE_SUMSQ, 1.0: _C.REDUCE_SUMABS, math.inf: _C.REDUCE_MAXABS}
-_MIN_SCALE_ACTIONS = ("warn", "raise", "ignore")
 
 
 class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
@@ -59,10 +59,14 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             on every rank and need no collective.
 
     Raises:
-        AssertionError: growth_factor <= 1 or backoff_factor >= 1 (torch's check).
-        ValueError: a bad extra (hysteresis not an integer >= 1, a NaN or negative bound,
-            min_scale > max_scale, unknown on_min_scale), a negative or NaN init_scale, or a
-            negative backoff_factor. torch's settings otherwise follow torch's rules exactly.
+        ampx.SettingError (a ValueError, and an AssertionError as torch raises): growth_factor
+            <= 1 or backoff_factor >= 1 (torch's two rules).
+        ValueError: any other setting the scaler cannot honour (ampx/settings.py has the rules):
+            init_scale not a finite number in (0, float32's largest]; growth_factor NaN or inf;
+            backoff_factor NaN or <= 0; growth_interval or hysteresis not an integer from 1 to
+            2**31 - 1; min_scale not in [0, float32's largest]; max_scale < min_scale; an unknown
+            on_min_scale or growth_timing. Every configuration torch accepts that trains without
+            writing NaN works the same here.
     """
 
     # Tests set this to run the device-side (deferred) telemetry path on a CPU scale.
@@ -77,32 +81,25 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                  min_scale=None, max_scale=None, on_min_scale="warn", dynamic=True,
                  named_parameters=None, history=1000, on_overflow=None, process_group=None,
                  growth_timing="torch"):
+        # Every setting is checked before anything is built (torch's own two rules included, so
+        # its bare AssertionError becomes a SettingError naming the setting, and a NaN that
+        # slips past torch's comparisons is refused).
+        lo, hi = settings.check_settings(
+            "ampx.GradScaler", init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+            growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
+            on_min_scale=on_min_scale, growth_timing=growth_timing)
         # torch's own methods are named, not reached through super(): ampx.ShardedGradScaler
         # also derives from torch's ShardedGradScaler, whose overrides must not run here.
         _TorchScaler.__init__(self, device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
         self._per_optimizer_states = _fresh_states()  # torch's has only torch's keys
         self.process_group = process_group
         self._sharded = process_group is not None
-        lo = 0.0 if min_scale is None else float(min_scale)
-        hi = math.inf if max_scale is None else float(max_scale)
-        # torch's own settings follow torch's rules (its asserts above), so every configuration
-        # torch takes works the same here; the extras follow ampx's, and a scale must be a number
-        # the bounds can work with.
-        if not (ops._is_real(init_scale) and init_scale >= 0.0):
-            raise ValueError(f"ampx.GradScaler: init_scale must be a number >= 0, not {init_scale!r}")
-        if not backoff_factor >= 0.0:  # torch only asserts < 1; a negative one flips the scale's sign
-            raise ValueError(f"ampx.GradScaler: backoff_factor must be a number in [0, 1), not {backoff_factor!r}")
-        ops.check_scale_rule("ampx.GradScaler", hysteresis=hysteresis, min_scale=lo, max_scale=hi)
-        if on_min_scale not in _MIN_SCALE_ACTIONS:
-            raise ValueError(f"ampx.GradScaler: on_min_scale must be one of {_MIN_SCALE_ACTIONS}, not {on_min_scale!r}")
         self._hysteresis = int(hysteresis)
         self._consecutive_hysteresis = bool(consecutive_hysteresis)
         self._min_scale = lo
         self._max_scale = hi
         self._on_min_scale = on_min_scale
         self._dynamic = bool(dynamic)
-        if growth_timing not in GROWTH_TIMINGS:
-            raise ValueError(f"ampx.GradScaler: growth_timing must be one of {GROWTH_TIMINGS}, not {growth_timing!r}")
         self._growth_timing = growth_timing
         if growth_timing == "deepspeed":
             self._init_growth_tracker = -1  # DeepSpeed grows on the (w+1)-th clean step first
@@ -134,6 +131,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         """Names parameters for overflow reports: ``scaler.watch(model.named_parameters())``."""
         for name, p in named_parameters:
             self._param_names[id(p)] = name
+        self._names_dropped = False
         return self
 
     def _lazy_init_scale_growth_tracker(self, dev):
@@ -344,8 +342,12 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
 
         Raises:
             RuntimeError: called twice, or after ``step``, in the same iteration.
+            TypeError / ValueError: max_norm not a number >= 0 (NaN or a negative one would
+                write NaN or flipped gradients, which torch's clip does), norm_type not a number
+                or NaN, error_if_nonfinite not a truth value; nothing has changed then.
         """
         optimizer = resolve_optimizer(optimizer, "clip_grad_norm_")
+        max_norm, norm_type, error_if_nonfinite = _clip_args(max_norm, norm_type, error_if_nonfinite)
         if not self._enabled:
             return self._clip_without_scaling(optimizer, max_norm, norm_type, error_if_nonfinite)
         self._check_scale_growth_tracker("clip_grad_norm_")
@@ -535,6 +537,8 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             return stepper.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        if args or kwargs:
+            _check_step_args(stepper, args, kwargs)
         self._check_scale_growth_tracker("step")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
@@ -608,13 +612,28 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
     def update(self, new_scale=None):
         """Updates the scale after all optimizers stepped (torch's rule, plus the extras).
 
-        ``update(new_scale)`` sets the scale (a float or a 1-element tensor), as in torch.
+        ``update(new_scale)`` sets the scale, as in torch, to a number (a float, or here also an
+        int) from float32's smallest normal to its largest, or to a 1-element floating tensor on
+        the scaler's device without requires_grad (any shape: ``torch.tensor([4.])`` too, which
+        torch's scaler refuses). A CPU tensor's value is checked as a number is; a CUDA one is
+        taken as it is (checking it would wait for the device).
+
+        Raises:
+            TypeError: new_scale is neither a number nor a tensor.
+            ValueError: a number or CPU tensor value that is NaN, inf, <= 0, subnormal or past
+                float32's range.
+            ampx.SettingError (also an AssertionError, as torch raises): a tensor on another
+                device type, with more than one element, with requires_grad, or not floating.
         """
         if not self._enabled:
             return
         scale, tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
-            _TorchScaler.update(self, new_scale)
+            new_scale = self._checked_new_scale(new_scale)
+            if isinstance(new_scale, float):
+                scale.fill_(new_scale)
+            else:
+                scale.copy_(new_scale.detach().reshape(scale.shape))
             self._per_optimizer_states = _fresh_states()  # torch's has only torch's keys
             self._record(skipped=False)
             return
@@ -636,7 +655,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             events = ops._update_scale_events(
                 scale, tracker, found, self._growth_factor, self._backoff_factor, self._growth_interval,
                 self._hysteresis, self._hysteresis_tracker if self._hysteresis > 1 else None,
-                self._consecutive_hysteresis, self._min_scale, self._max_scale)
+                self._consecutive_hysteresis, settings.scale_floor(self._min_scale), self._max_scale)
             if self._growth_timing == "deepspeed":
                 # DeepSpeed counts clean steps from the overflow step itself: restart one lower,
                 # on the device, without a host read.
@@ -657,6 +676,26 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         # the step never waits for the host.
         self._defer(scale, found, events, sources)
 
+    def _checked_new_scale(self, new_scale):
+        """update(new_scale)'s argument as a float or a tensor to copy, after every check."""
+        op = "ampx.GradScaler.update"
+        if settings.is_real(new_scale):
+            settings.check_scale_value(op, "new_scale", new_scale)
+            return float(new_scale)
+        if not isinstance(new_scale, torch.Tensor):
+            raise TypeError(f"{op}: new_scale must be a float or a 1-element float tensor, not "
+                            f"{type(new_scale).__name__}")
+        if (new_scale.device.type != self._scale.device.type or new_scale.numel() != 1 or new_scale.requires_grad
+                or not new_scale.dtype.is_floating_point or new_scale.layout != torch.strided):
+            # torch's own words (code may compare them), then what was passed
+            raise settings.SettingError(
+                "new_scale should be a float or a 1-element torch.cuda.FloatTensor or torch.FloatTensor with "
+                f"requires_grad=False. (ampx.GradScaler.update got a {new_scale.dtype} {new_scale.device.type} tensor "
+                f"of shape {tuple(new_scale.shape)}{' with requires_grad' if new_scale.requires_grad else ''})")
+        if new_scale.device.type == "cpu":
+            settings.check_scale_value(op, "new_scale", float(new_scale.item()))
+        return new_scale
+
 
 def __getattr__(name):
     # ShardedGradScaler lives in its own module, imported on first use (see there why).
@@ -665,6 +704,47 @@ def __getattr__(name):
 
         return ShardedGradScaler
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _check_step_args(stepper, args, kwargs):
+    """Refuses, before any gradient is unscaled, arguments the optimizer's step cannot take
+    (otherwise they would fail only after the unscale and the inf check were recorded)."""
+    try:
+        sig = inspect.signature(stepper.step)
+    except (TypeError, ValueError):  # no signature to read: the step itself will say
+        return
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"ampx.GradScaler.step: {type(stepper).__name__}.step() {e} (nothing was unscaled or "
+                        "stepped)") from None
+
+
+def _clip_args(max_norm, norm_type, error_if_nonfinite):
+    """clip_grad_norm_'s arguments as (float, float, bool), checked before anything is touched.
+    Numbers and 1-element tensors are taken, as torch's clip takes them."""
+    op = "ampx.GradScaler.clip_grad_norm_"
+
+    def number(name, x):
+        if isinstance(x, torch.Tensor) and x.numel() == 1 and x.layout == torch.strided and x.device.type != "meta":
+            x = x.item()
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise TypeError(f"{op}: {name} must be a number (or a 1-element tensor), not {type(x).__name__}")
+        return float(x)
+
+    max_norm, norm_type = number("max_norm", max_norm), number("norm_type", norm_type)
+    if not max_norm >= 0.0:
+        raise ValueError(f"{op}: max_norm must be a number >= 0 (inf for no clipping), not {max_norm!r}: a NaN or "
+                         "negative one would write NaN or sign-flipped gradients (nothing was unscaled or clipped)")
+    if math.isnan(norm_type):
+        raise ValueError(f"{op}: norm_type must be a number (2, 1, inf or another p), not nan")
+    if isinstance(error_if_nonfinite, torch.Tensor) and error_if_nonfinite.numel() != 1:
+        raise TypeError(f"{op}: error_if_nonfinite must be True or False, not a tensor of shape "
+                        f"{tuple(error_if_nonfinite.shape)}")
+    try:
+        return max_norm, norm_type, bool(error_if_nonfinite)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise TypeError(f"{op}: error_if_nonfinite must be True or False ({e})") from None
 
 
 def resolve_optimizer(optimizer, method, needs="param_groups"):

@@ -11,7 +11,7 @@ from collections import deque
 
 import torch
 
-from . import _C, ops
+from . import _C, ops, settings
 
 __all__ = ["OverflowReport"]
 
@@ -25,15 +25,19 @@ class OverflowReport:
         step: the scaler's step count (``stats()["steps"]``) of the skipped step.
         inf: names of parameters whose gradient held +-inf.
         nan: names of parameters whose gradient held NaN.
+        note: why names are missing, when they are ("" otherwise): a scaler unpickled in
+            another process has lost them until ``watch`` is called again.
     """
 
-    def __init__(self, step, inf, nan):
+    def __init__(self, step, inf, nan, note=""):
         self.step = step
         self.inf = inf
         self.nan = nan
+        self.note = note
 
     def __repr__(self):
-        return f"OverflowReport(step={self.step}, inf={self.inf}, nan={self.nan})"
+        note = f", note={self.note!r}" if self.note else ""
+        return f"OverflowReport(step={self.step}, inf={self.inf}, nan={self.nan}{note})"
 
 
 def _host_copy(t):
@@ -150,8 +154,11 @@ class TelemetryMixin:
             if self._on_overflow is not None:
                 self._on_overflow(self._last_report)
         if events & _C.UPD_AT_MIN:
-            msg = (f"ampx.GradScaler: gradients overflowed with the loss scale already at min_scale="
-                   f"{self._min_scale}; the step was skipped and the scale cannot fall further.")
+            floor = (f"min_scale={self._min_scale}" if self._min_scale >= settings.FLOAT32_MIN_NORMAL else
+                     f"its floor, float32's smallest normal number {settings.FLOAT32_MIN_NORMAL:.4g} (min_scale "
+                     f"{self._min_scale} is lower; a smaller scale would underflow to 0 and write NaN)")
+            msg = (f"ampx.GradScaler: gradients overflowed with the loss scale already at {floor}; the step "
+                   "was skipped and the scale cannot fall further.")
             if self._on_min_scale == "raise":
                 raise RuntimeError(msg + " (on_min_scale='raise')")
             if self._on_min_scale == "warn":
@@ -172,7 +179,11 @@ class TelemetryMixin:
                     inf.append(name)
                 if f & ops.FLAG_NAN:
                     nan.append(name)
-        return OverflowReport(step, inf, nan)
+        note = ""
+        if (inf or nan) and self.__dict__.get("_names_dropped"):
+            note = ("parameter names are not pickled with the scaler (they are keyed by object id): call "
+                    "scaler.watch(model.named_parameters()) after unpickling to name them")
+        return OverflowReport(step, inf, nan, note)
 
     def overflow_report(self):
         """The ``OverflowReport`` of the most recent skipped step, or None (with a CUDA scale,

@@ -85,6 +85,9 @@ def patch(accelerator, *, grad_buffer=False, **scaler_kwargs):
         **scaler_kwargs: ``ampx.GradScaler`` settings; they override the accelerator's
             ``GradScalerKwargs``. ``named_parameters`` is filled in from each prepared model.
     """
+    if not hasattr(accelerator, "distributed_type"):
+        raise TypeError(f"ampx.integrations.accelerate.patch: accelerator must be an accelerate.Accelerator, not "
+                        f"{type(accelerator).__name__}")
     kind = accelerator.distributed_type
     if kind.name in _OWN_PATH or getattr(accelerator, "is_fsdp2", False):
         logger.warning("ampx: Accelerate runs %s with its own mixed precision; ampx leaves it there "
