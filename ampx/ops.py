@@ -43,6 +43,7 @@ Consecutive tensors lying back to back in memory (views of one flat buffer:
 DDP's bucket views, FSDP's flat parameters) are streamed as one span when no
 per-tensor norm is asked for; per-tensor ``flags`` stay per tensor.
 """
+import contextlib
 import math
 import os
 import sys
@@ -110,7 +111,7 @@ def _enable_tensor_shim():
         return "turned off by AMPX_TENSOR_SHIM=0"
     if not sys.platform.startswith("linux"):
         return "only looked for on Linux"
-    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    lib = _shim_library()
     if not os.path.exists(lib):
         return f"{lib} does not exist"
     try:
@@ -120,7 +121,26 @@ def _enable_tensor_shim():
         return f"the probe failed: {type(e).__name__}: {e}"
 
 
+def _shim_library():
+    return os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+
+
 _SHIM_WHY_NOT = _enable_tensor_shim()
+
+
+def _after_failed_probe(fn, *args):
+    """(tests, docs/ERRORS.md) fn(*args) as on a torch whose shim fails its start-up probe
+    (torch 2.9.1's did): the probe is re-run on a tensor it refuses (a meta one), and afterwards
+    on the real probes again, which brings every C route back as it was."""
+    was_on = _C._set_tensor_shim()
+    try:
+        with contextlib.suppress(ValueError):
+            _C._enable_tensor_shim(_shim_library(), torch.nn.Parameter, [torch.empty(0, device="meta")])
+        return fn(*args)
+    finally:
+        if _SHIM_WHY_NOT is None:
+            _enable_tensor_shim()
+            _C._set_tensor_shim(was_on)
 
 
 def tensor_reader():

@@ -5,6 +5,7 @@ stage machine, error messages and ``state_dict`` keys, and replaces the work: ev
 inf check, norm and scale update is one call of an ``ampx.ops`` kernel over all gradients of a
 device, whatever their dtypes.
 """
+import contextlib
 import inspect
 import math
 import weakref
@@ -16,7 +17,7 @@ from . import _C, ops, settings
 from .cuda import _capturing
 from .master import MasterWeights
 from .checkpoint import CheckpointMixin
-from .sharding import LayoutRefused, agree, check_sharded_placements, combine, is_sharded_dtensor
+from .sharding import LayoutRefused, agree, check_sharded_placements, combine, is_sharded_dtensor, refusals_shared
 from .telemetry import OverflowReport, TelemetryMixin, _LazySkip
 
 __all__ = ["GradScaler", "ShardedGradScaler", "OverflowReport"]
@@ -184,74 +185,82 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         return out
 
     def _grad_pass(self, optimizer, inv_scale, found_inf, allow_fp16, write, reduce=_C.REDUCE_NONE, need_found=True,
-                   unscaled=False):
+                   unscaled=False, then_written=False):
         """One kernel call over the optimizer's gradients; returns ({device: found_inf}, total).
 
         write: unscale in place by inv_scale; otherwise read only (norm of grads * inv_scale).
         Sparse gradients take a slower path through their values. Like torch, the returned
         found_inf is a fresh tensor (the argument is left alone), and an optimizer without
         gradients records no inf check at all, except in sharded mode, where every rank
-        takes part in the step's one collective (``sharding.agree``) whether it holds gradients or not.
+        takes part in the step's one collective (``sharding.agree``) whether it holds gradients or not,
+        and where an error before it reaches the other ranks as an overflow (``_refusals``).
         need_found=False: only the total is wanted from the collective.
         unscaled=True: the gradients unscale_ left (for master weights, the masters' ones).
+        then_written=True: a read whose gradients the caller writes after the collective; sharded,
+        what that write would refuse is refused before it (``_C.check_written``).
 
         The call runs on the gradients' device (CPU, or ampx's CUDA kernels on the caller's
         stream, with no host sync). Gradients spread over several devices (model parallel,
         CPU offload) take one call per device.
         """
+        if not self._sharded:
+            return self._local_pass(optimizer, inv_scale, found_inf, allow_fp16, write, reduce, unscaled)
+        # torch's ShardedGradScaler allows fp16 (FSDP may keep fp16 gradients)
+        with self._refusals(optimizer, found_inf.device, reduce, need_found):
+            per_device, total = self._local_pass(optimizer, inv_scale, found_inf, True, write, reduce, unscaled)
+            if then_written and not write:
+                _check_written(self._last_grads)
+            if not per_device:
+                found = found_inf.clone()
+            elif len(per_device) > 1:
+                found = sum(f.to(found_inf.device) for f in per_device.values())
+            else:
+                found = next(iter(per_device.values()))
+        found, total = agree(found if need_found else None, total, reduce, self.process_group)
+        return ({} if found is None else {found.device: found}), total
+
+    def _local_pass(self, optimizer, inv_scale, found_inf, allow_fp16, write, reduce, unscaled):
+        """_grad_pass on this rank's gradients alone: ({device: found_inf}, total)."""
         params, grads, devices = self._params_with_grads(optimizer, unscaled)
-        if self._sharded or isinstance(optimizer, MasterWeights):
-            # torch's ShardedGradScaler allows fp16 (FSDP may keep fp16 gradients); with master
-            # weights fp16 gradients are unscaled on their way into float32 masters (Apex O2)
-            allow_fp16 = True
+        if isinstance(optimizer, MasterWeights):
+            allow_fp16 = True  # fp16 gradients are unscaled on their way into float32 masters (Apex O2)
         if not params:
             self._flag_sources[id(optimizer)] = []
             self._last_grads = []
-            found_inf = found_inf.clone()
-            total = torch.zeros((), dtype=torch.float32, device=found_inf.device) if reduce else None
-            if not self._sharded:
-                return {}, total
-            found_inf, total = agree(found_inf if need_found else None, total, reduce, self.process_group)
-            return ({} if found_inf is None else {found_inf.device: found_inf}), total
+            return {}, (torch.zeros((), dtype=torch.float32, device=found_inf.device) if reduce else None)
         if devices is not None and write:
             # Several calls, the first of which writes before the next validates: check now
             # what would stop a later one, so an error leaves every gradient as it was.
             self._check_split(params, grads, devices, allow_fp16)
         # The split by device is decided here, once, from what collect_grads saw: one kernel
         # call per device, each told its device, and the results combined below.
-        try:
-            parts = [self._device_pass(optimizer, ps, gs, inv_scale, found_inf, allow_fp16, write, reduce)
-                     for ps, gs in _by_device(params, grads, devices)]
-        except LayoutRefused:
-            self._refuse_together(found_inf, reduce, need_found)
-            raise
+        parts = [self._device_pass(optimizer, ps, gs, inv_scale, found_inf, allow_fp16, write, reduce)
+                 for ps, gs in _by_device(params, grads, devices)]
         self._flag_sources[id(optimizer)] = [(ps, fl) for ps, fl, _, _, _ in parts]
         self._last_grads = parts[0][2] if len(parts) == 1 else [g for _, _, gs, _, _ in parts for g in gs]
         per_device = {}
         for _, _, _, f, _ in parts:
             per_device[f.device] = f if f.device not in per_device else per_device[f.device] + f
         total = combine([t for _, _, _, _, t in parts], reduce, found_inf.device) if reduce else None
-        if self._sharded:
-            if len(per_device) > 1:
-                found = sum(f.to(found_inf.device) for f in per_device.values())
-            else:
-                found = next(iter(per_device.values()))
-            found, total = agree(found if need_found else None, total, reduce, self.process_group)
-            return ({} if found is None else {found.device: found}), total
         return per_device, total
 
-    def _refuse_together(self, found_inf, reduce, need_found):
-        """This rank refuses its gradients' layout (read-only passes only: nothing written yet)
-        while the group's other ranks, whose layouts may pass, wait in the step's all-reduce.
-        Sends them an overflow and an infinite norm, so that every rank skips the step, before
-        this rank raises (after unscale_ too: the sharded clip's all-reduce carries the flag)."""
-        if not (self._sharded and need_found and _group_size(self.process_group) > 1):
-            return
-        total = torch.full((), math.inf, dtype=torch.float32, device=found_inf.device) if reduce else None
-        try:
-            agree(torch.ones_like(found_inf), total, reduce, self.process_group)
-        except Exception:  # the refusal is what this rank reports
-            pass
+    def _refusals(self, optimizer, device, reduce, need_found=True, clipping=False):
+        """Sharded: the with-block before the call's collective, whose errors reach the group's
+        other ranks as an overflow (``sharding.refusals_shared``; ``device``: the flag's). This
+        rank then records the same overflow, as checked (and as clipped when ``clipping``), so
+        that a step() after the error skips as theirs do and a retried call raises instead of
+        issuing a collective they would not join (the one exception to all-or-nothing)."""
+        if not self._sharded:
+            return contextlib.nullcontext()
+
+        def settle():
+            state = self._per_optimizer_states[id(optimizer)]
+            _or_found(state, {device: torch.ones((), dtype=torch.float32, device=device)})
+            state["inf_checked"] = True
+            state["stage"] = OptState.UNSCALED
+            state["clipped"] = state["clipped"] or clipping
+
+        return refusals_shared(self.process_group, device, reduce, need_found, settle)
 
     def _check_split(self, params, grads, devices, allow_fp16):
         """Before the passes of gradients on several devices: every device is one ampx runs on,
@@ -347,7 +356,8 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                 or NaN, error_if_nonfinite not a truth value; nothing has changed then.
         """
         optimizer = resolve_optimizer(optimizer, "clip_grad_norm_")
-        max_norm, norm_type, error_if_nonfinite = _clip_args(max_norm, norm_type, error_if_nonfinite)
+        if not (self._enabled and self._sharded):  # (sharded: inside the refusal block below)
+            max_norm, norm_type, error_if_nonfinite = _clip_args(max_norm, norm_type, error_if_nonfinite)
         if not self._enabled:
             return self._clip_without_scaling(optimizer, max_norm, norm_type, error_if_nonfinite)
         self._check_scale_growth_tracker("clip_grad_norm_")
@@ -356,7 +366,15 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             raise RuntimeError("clip_grad_norm_() has already been called on this optimizer since the last update().")
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("clip_grad_norm_() is being called after step().")
-        reduce = _ORD.get(float(norm_type))
+        # Sharded, a bad argument on one rank reaches the others as this call's collective would.
+        with self._refusals(optimizer, self._scale.device, _reduce_of(norm_type), clipping=True):
+            if self._sharded:
+                max_norm, norm_type, error_if_nonfinite = _clip_args(max_norm, norm_type, error_if_nonfinite)
+            return self._clip(optimizer, state, max_norm, norm_type, error_if_nonfinite)
+
+    def _clip(self, optimizer, state, max_norm, norm_type, error_if_nonfinite):
+        """clip_grad_norm_ past its checks: picks the route."""
+        reduce = _ORD.get(norm_type)
         if reduce is None:
             return self._clip_other_norm(optimizer, state, max_norm, norm_type, error_if_nonfinite)
         # An optimizer that reads plain gradients needs them unscaled and clipped in memory. If
@@ -450,33 +468,25 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         folded into its grad_scale at step() and nothing is written now; master weights get it on
         the way into the masters; anything else one in-place pass by inv_scale * coef.
         Returns (norm, clip coefficient)."""
-        try:
-            if state["stage"] is OptState.READY:
-                inv = self._inv_scale()
-                found_inf = self._new_found_inf()
-                per_device, total = self._grad_pass(optimizer, inv, found_inf, False, write=False, reduce=reduce)
-                state["found_inf_per_device"] = per_device
-            else:  # already unscaled by unscale_() (master weights: into the masters' gradients)
-                inv = None
-                sources = self._flag_sources.get(id(optimizer))
-                # Sharded, the flag travels too: a rank that refuses its layout sends an overflow,
-                # which every rank then adds to unscale_'s (all skip the step).
-                agreed, total = self._grad_pass(optimizer, None, self._new_found_inf(), True, write=False,
-                                                reduce=reduce, need_found=self._sharded, unscaled=True)
-                if self._sharded:
-                    _or_found(state, agreed)
-                if sources is not None:  # the overflow report stays unscale_'s, by parameter
-                    self._flag_sources[id(optimizer)] = sources
-        except LayoutRefused:
+        if state["stage"] is OptState.READY:
+            inv = self._inv_scale()
+            found_inf = self._new_found_inf()
+            written = not getattr(optimizer, "_step_supports_amp_scaling", False)  # below, by inv * coef
+            per_device, total = self._grad_pass(optimizer, inv, found_inf, False, write=False, reduce=reduce,
+                                                then_written=written and not isinstance(optimizer, MasterWeights))
+            state["found_inf_per_device"] = per_device
+        else:  # already unscaled by unscale_() (master weights: into the masters' gradients)
+            inv = None
+            sources = self._flag_sources.get(id(optimizer))
+            # Sharded, the flag travels too: a rank that refuses its gradients sends an overflow,
+            # which every rank then adds to unscale_'s (all skip the step).
+            agreed, total = self._grad_pass(optimizer, None, self._new_found_inf(), True, write=False,
+                                            reduce=reduce, need_found=self._sharded, unscaled=True,
+                                            then_written=not isinstance(optimizer, MasterWeights))
             if self._sharded:
-                # The other ranks have recorded an overflow for this step (_refuse_together): so
-                # does this one, as checked, so that a step() after the error skips as theirs do,
-                # with no collective they would not join. (The one exception to all-or-nothing.)
-                one = torch.ones((), dtype=torch.float32, device=self._scale.device)
-                _or_found(state, {one.device: one})
-                state["inf_checked"] = True
-                state["stage"] = OptState.UNSCALED
-            raise
+                _or_found(state, agreed)
+            if sources is not None:  # the overflow report stays unscale_'s, by parameter
+                self._flag_sources[id(optimizer)] = sources
         self._check_clip_norm(total, norm_type, error_if_nonfinite)
         coef = _clip_coef(max_norm, total)
         self._last_norm = total
@@ -726,11 +736,17 @@ def _clip_args(max_norm, norm_type, error_if_nonfinite):
     op = "ampx.GradScaler.clip_grad_norm_"
 
     def number(name, x):
-        if isinstance(x, torch.Tensor) and x.numel() == 1 and x.layout == torch.strided and x.device.type != "meta":
-            x = x.item()
-        if isinstance(x, bool) or not isinstance(x, (int, float)):
-            raise TypeError(f"{op}: {name} must be a number (or a 1-element tensor), not {type(x).__name__}")
-        return float(x)
+        bad = isinstance(x, torch.Tensor) and (x.numel() != 1 or x.layout != torch.strided or x.device.type == "meta")
+        try:
+            if bad:
+                raise ValueError  # (as float() of a several-element tensor)
+            if isinstance(x, bool):
+                raise TypeError
+            return float(x)
+        except (TypeError, ValueError, RuntimeError) as e:  # what float() raises, naming the argument
+            kind = ValueError if isinstance(e, ValueError) else TypeError
+            raise kind(f"{op}: {name} must be a real number or a one-element tensor, not {x!r:.60} (nothing was "
+                       "unscaled or clipped)") from None
 
     max_norm, norm_type = number("max_norm", max_norm), number("norm_type", norm_type)
     if not max_norm >= 0.0:
@@ -790,6 +806,25 @@ def _takes_no_found_inf(optimizer):
 def _who(names, p, i):
     """How errors name the i-th parameter with a gradient: its watched name, else its place."""
     return names.get(id(p)) or f"parameter {i} with a gradient, shape {tuple(p.shape)}"
+
+
+def _check_written(grads):
+    """Raises now what the clip's in-place multiply of these gradients would refuse after the
+    step's collective (a gradient that overlaps itself, as an expanded one): one device at a time."""
+    by_device = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for dev, gs in by_device.items():
+        _C.check_written("ampx.ops.mul_", gs, dev.index if dev.type == "cuda" else -1)
+
+
+def _reduce_of(norm_type):
+    """The reduce code of a clip's norm_type, as its collective will carry it (a bad one: L2,
+    what the other ranks most likely ask for)."""
+    try:
+        return _ORD.get(float(norm_type))
+    except (TypeError, ValueError, RuntimeError):
+        return _C.REDUCE_SUMSQ
 
 
 def _group_size(group):

@@ -1,12 +1,15 @@
 """How ranks agree when gradients are sharded: one collective per scaler step.
 
 Owns the scaler's only collective (``agree``: one all-reduce of [found_inf, local norm part]),
-the combination of per-device partial norms (``combine``) and the check that a norm summed
-over the scaler's group counts every element once (``check_sharded_placements``). The scaler
-(ampx/scaler.py) decides when to call them; everything goes through torch.distributed.
+what a rank sends instead when it refuses its part (``refusals_shared``), the combination of
+per-device partial norms (``combine``) and the check that a norm summed over the scaler's group
+counts every element once (``check_sharded_placements``). The scaler (ampx/scaler.py) decides
+when to call them; everything goes through torch.distributed.
 """
+import contextlib
 import functools
 import math
+import threading
 
 import torch
 
@@ -30,6 +33,7 @@ def agree(found_inf, total, reduce, group):
 
     if not (dist.is_available() and dist.is_initialized()):
         return found_inf, total  # one process: nothing to agree on
+    _CALL.reached = True  # from here on, an error is no refusal of this rank's (refusals_shared)
     like = found_inf if found_inf is not None else total
     dev = like.device
     if dev.type == "cpu" and dist.get_backend(group) == "nccl":
@@ -69,6 +73,51 @@ def agree(found_inf, total, reduce, group):
             g = g.sqrt()
         total = g.to(total.device, torch.float32).reshape(())
     return found_inf, total
+
+
+_CALL = threading.local()  # .open: inside refusals_shared; .reached: agree was called there
+
+
+@contextlib.contextmanager
+def refusals_shared(group, device, reduce, need_found, settle):
+    """The part of a sharded call of the scaler before its collective (``agree``), where this
+    rank may refuse its gradients or arguments while the group's other ranks, which may accept
+    theirs, wait in the all-reduce: an exception raised in the with-block before ``agree`` was
+    reached first sends them what that all-reduce expects, an overflow (and an infinite norm
+    when ``reduce``), so that every rank skips the step, then calls ``settle()`` (the scaler
+    records the same overflow, so nothing later in the step issues a collective the others
+    would not join) and lets the exception go on. ``device``: where the scaler's tensors live.
+
+    Blocks nest: only the outermost one sends. Without a group of more than one rank it does
+    nothing (every rank then raises on its own)."""
+    import torch.distributed as dist
+
+    if getattr(_CALL, "open", False) or not (dist.is_available() and dist.is_initialized()
+                                             and dist.get_world_size(group) > 1):
+        yield
+        return
+    _CALL.open, _CALL.reached = True, False
+    try:
+        yield
+    except Exception:
+        if not _CALL.reached:
+            _send_refusal(group, device, reduce, need_found)
+            settle()
+        raise
+    finally:
+        _CALL.open = False
+
+
+def _send_refusal(group, device, reduce, need_found):
+    """This rank's part of the all-reduce the other ranks wait in, as an overflow."""
+    found = torch.ones((), dtype=torch.float32, device=device) if need_found else None
+    total = torch.full((), math.inf, dtype=torch.float32, device=device) if reduce else None
+    if found is None and total is None:
+        return  # (a call that would send nothing)
+    try:
+        agree(found, total, reduce, group)
+    except Exception:  # the refusal is what this rank reports
+        pass
 
 
 def combine(totals, reduce, device):

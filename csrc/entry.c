@@ -166,6 +166,28 @@ done:
     return result;
 }
 
+/* check_written(op, tensors, device) -> None: raises what a write into the tensors on
+ * `device` (-1: the CPU) would refuse before touching them (a tensor that overlaps itself, an
+ * inference tensor outside inference mode, besides what any read refuses), and writes
+ * nothing. For a caller that must know before a collective that a later write will pass. */
+PyObject *py_check_written(PyObject *module, PyObject *args)
+{
+    mstate *st = state_of(module);
+    const char *op;
+    PyObject *seq;
+    int device;
+    if (!PyArg_ParseTuple(args, "sOi:check_written", &op, &seq, &device))
+        return NULL;
+    if (state_ready(st) < 0)
+        return NULL;
+    tlist L;
+    memset(&L, 0, sizeof L);
+    if (tlist_gather(st, op, "tensors", seq, 1, 0, device, 0, &L) < 0)
+        return NULL; /* (a failed gather frees what it took) */
+    tlist_free(&L);
+    Py_RETURN_NONE;
+}
+
 /* cast(op, src, dst, *, inv_scale=None, found_inf=None, flags=None, stochastic=False, seed=0,
  *      offset=0, rng=None, device=-1, nthreads=1, stream=0, alloc=None)
  *

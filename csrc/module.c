@@ -219,6 +219,8 @@ static PyMethodDef methods[] = {
     {"_shim_inference_mode", py_shim_inference_mode, METH_NOARGS, "Inference mode as C sees it (probe)."},
     {"_set_versions", py_set_versions, METH_VARARGS, "Whether C bumps version counters itself (tests)."},
     {"scale_reduce", KW(py_scale_reduce), "Scale / check / reduce kernel over a tensor list, on its device."},
+    {"check_written", py_check_written, METH_VARARGS,
+     "Raises what a write into a tensor list on a device would refuse; writes nothing."},
     {"cast", KW(py_cast), "Cast kernel between two tensor lists, on their device."},
     {"update_scale", KW(py_update_scale), "One loss-scale update of the tensors, on their device."},
     {"cuda_set_image", py_cuda_set_image, METH_O, "Hands the CUDA kernels' fatbin to the extension."},

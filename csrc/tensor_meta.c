@@ -650,7 +650,7 @@ PyObject *py_enable_tensor_shim(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "_enable_tensor_shim: parameter_type must be torch.nn.Parameter");
         return NULL;
     }
-    ampx_shim_set_enabled(0);
+    ampx_shim_set_probed(0); /* until every probe below agrees (also turns the fast read off) */
     const char *why = ampx_shim_open(path);
     if (why != NULL)
         return PyUnicode_FromString(why);
@@ -677,6 +677,7 @@ PyObject *py_enable_tensor_shim(PyObject *module, PyObject *args)
         return NULL;
     ampx_shim_set_storage_offset(off);
     set_ref(&st->param_type, ptype);
+    ampx_shim_set_probed(1);
     ampx_shim_set_enabled(1);
     Py_RETURN_NONE;
 }
@@ -694,19 +695,31 @@ static int switch_arg(PyObject *args, const char *format, int *on)
     return *on < 0 ? -1 : 1;
 }
 
+/* Refuses (RuntimeError naming `what`, the C route) to turn on a route that
+ * reads tensors through the shim's layout unless the start-up probe passed.
+ * Returns 0, or -1 with the exception set. */
+static int need_probe(const char *what)
+{
+    if (ampx_shim_probed())
+        return 0;
+    PyErr_Format(PyExc_RuntimeError,
+                 "%s: the tensor shim did not pass its start-up probe, so this C route would read tensors "
+                 "through a layout nobody checked; it stays off (ampx reads them through Python's attributes)",
+                 what);
+    return -1;
+}
+
 /* _set_tensor_shim(on=None) -> whether it was on; None only asks. Turning it
  * on needs a passed probe. */
 PyObject *py_set_tensor_shim(PyObject *module, PyObject *args)
 {
-    mstate *st = state_of(module);
+    (void)module;
     int was = ampx_shim_enabled(), on;
     int ask = switch_arg(args, "|O:_set_tensor_shim", &on);
     if (ask <= 0)
         return ask < 0 ? NULL : PyBool_FromLong(was);
-    if (on && (!ampx_shim_opened() || st->param_type == NULL)) {
-        PyErr_SetString(PyExc_RuntimeError, "the tensor shim did not pass its start-up probe");
+    if (on && need_probe("_set_tensor_shim(True)") < 0)
         return NULL;
-    }
     ampx_shim_set_enabled(on);
     return PyBool_FromLong(was);
 }
@@ -742,7 +755,7 @@ static void *version_handle(mstate *st, PyObject *t)
 {
     if (state_ready(st) < 0)
         return NULL;
-    if (!ampx_shim_versions_found() || st->param_type == NULL ||
+    if (!ampx_shim_versions_found() || !ampx_shim_probed() || st->param_type == NULL ||
         (Py_TYPE(t) != (PyTypeObject *)st->tensor_type && Py_TYPE(t) != (PyTypeObject *)st->param_type)) {
         PyErr_SetString(PyExc_TypeError, "needs a plain torch.Tensor or Parameter and the probed shim");
         return NULL;
@@ -782,7 +795,9 @@ PyObject *py_shim_inference_mode(PyObject *module, PyObject *unused)
     return PyBool_FromLong(ampx_shim_inference_mode());
 }
 
-/* _set_versions(on=None) -> whether C bumped counters itself; None only asks. */
+/* _set_versions(on=None) -> whether C bumped counters itself; None only asks.
+ * Turning it on needs the shim's passed probe (the counters are found through
+ * the at::Tensor layout that probe checks) and the functions found. */
 PyObject *py_set_versions(PyObject *module, PyObject *args)
 {
     (void)module;
@@ -790,6 +805,8 @@ PyObject *py_set_versions(PyObject *module, PyObject *args)
     int ask = switch_arg(args, "|O:_set_versions", &on);
     if (ask <= 0)
         return ask < 0 ? NULL : PyBool_FromLong(was);
+    if (on && need_probe("_set_versions(True)") < 0)
+        return NULL;
     if (on && !ampx_shim_versions_found()) {
         PyErr_SetString(PyExc_RuntimeError, "torch's version-counter functions were not found");
         return NULL;

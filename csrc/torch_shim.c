@@ -26,7 +26,7 @@ typedef int32_t (*shim_reinterpret_fn)(void *, int64_t, const int64_t *, const i
 typedef int32_t (*shim_delete_fn)(void *);
 
 static struct {
-    int opened, enabled;
+    int opened, enabled, probed;
     shim_ptr_fn data_ptr;
     shim_i64_fn numel;
     shim_get_i32_fn dtype, device_type, device_index, layout;
@@ -47,7 +47,14 @@ static struct {
 
 int ampx_shim_enabled(void) { return S.enabled; }
 int ampx_shim_opened(void) { return S.opened; }
-void ampx_shim_set_enabled(int on) { S.enabled = on && S.opened; }
+void ampx_shim_set_enabled(int on) { S.enabled = on && S.opened && S.probed; }
+int ampx_shim_probed(void) { return S.opened && S.probed; }
+void ampx_shim_set_probed(int passed)
+{
+    S.probed = passed;
+    if (!passed)
+        S.enabled = 0;
+}
 
 /* Looks up names[0..n) in h into the function-pointer fields slots[0..n)
  * (each the size of a pointer): all of them, or none when one is missing. */
@@ -88,8 +95,10 @@ static void open_versions(void *h)
 }
 
 int ampx_shim_versions_found(void) { return S.opened && S.version_counter != NULL; }
-int ampx_shim_versions_on(void) { return S.versions_on; }
-void ampx_shim_set_versions_on(int on) { S.versions_on = on && ampx_shim_versions_found(); }
+/* (Stored apart from the probe's verdict: a failed re-probe turns the route
+ * off, and a passing one brings back what was chosen.) */
+int ampx_shim_versions_on(void) { return S.versions_on && ampx_shim_probed(); }
+void ampx_shim_set_versions_on(int on) { S.versions_on = on && ampx_shim_versions_found() && ampx_shim_probed(); }
 
 uintptr_t ampx_shim_version_counter(const void *handle)
 {

@@ -40,10 +40,17 @@ enum { AMPX_SHIM_CPU = 0, AMPX_SHIM_CUDA = 1, AMPX_SHIM_OTHER = 2 };
  * path then stays off). Touches no Python state. */
 const char *ampx_shim_open(const char *path);
 
-/* Whether ampx_shim_open succeeded and the probe was passed (see enable). */
+/* Whether the fast read is on: ampx_shim_open succeeded, the start-up probe
+ * passed, and nobody turned it off since. */
 int ampx_shim_enabled(void);
 void ampx_shim_set_enabled(int on);
 int ampx_shim_opened(void);
+/* Whether the last start-up probe (tensor_meta.c's _enable_tensor_shim)
+ * passed: every C route that reads a tensor through the shim's layout (the
+ * fast read, the version counters) stays off while it has not. A new probe
+ * clears it first, so one that fails or raises leaves those routes off. */
+int ampx_shim_probed(void);
+void ampx_shim_set_probed(int passed);
 
 /* Reads tensor object t (a plain torch.Tensor or Parameter: the caller checks
  * the type). Returns 1 when every field was read and the tensor is a strided
@@ -107,7 +114,8 @@ uintptr_t ampx_shim_storage_word(PyObject *t);
  * bump_version, c10::InferenceMode::is_enabled), found with dlsym beside the
  * shim; each takes or returns plain pointers. They are used only once a
  * start-up probe (ampx/ops.py) saw them agree with torch's Python view on
- * probe tensors (ampx_shim_set_versions_on), and only on plain tensors.
+ * probe tensors (ampx_shim_set_versions_on), only while the shim's own probe
+ * stands passed (ampx_shim_probed), and only on plain tensors.
  * bump_version throws (which C cannot survive) only for an undefined tensor
  * or one with no counter (an inference tensor) outside inference mode: the
  * callers bump only tensors whose counter they saw non-null. */

@@ -8,6 +8,7 @@ import datetime
 import math
 import os
 import random
+import time
 import traceback
 
 import torch
@@ -438,8 +439,97 @@ def _fsdp_tp(rank):
     return list(model.parameters())
 
 
+# ---- a refusal on one rank reaches the others (issue 29) -----------------------------------
+
+# (what makes the gradient or argument bad on the refusing rank, the scaler call, the words of
+# its error); the other ranks' gradients are fine.
+REFUSALS = [("overlap", "clip", "may have internal overlap"), ("overlap", "unscale", "may have internal overlap"),
+            ("dtype", "clip", "has dtype torch.int64"), ("dtype", "unscale", "has dtype torch.int64"),
+            ("meta", "clip", "is on device meta"), ("shrunk", "clip", "its storage holds no bytes"),
+            ("max_norm", "clip", "max_norm must be a real number"),
+            ("norm_type", "clip", "norm_type must be a real number")]
+REFUSAL_TIMEOUT_S = 60  # the scaler's group's timeout: a rank left waiting would take this long
+
+
+def _local_grads(rank):
+    return [torch.full((5,), rank + 1.0), torch.arange(3.0) + rank]
+
+
+def _refusal_step(rank, bad, kind, call, group):
+    """One step in which rank ``bad`` refuses (``kind``), then carries on as a loop that caught
+    the error would: it fixes what was wrong and calls again (which must raise, not issue a
+    collective the others would not join), then every rank steps and updates. Then a clean step
+    on every rank, whose norm must be the whole gradient's (the collectives still pair up)."""
+    ps = [torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(3))]
+    extra = {"dtype": torch.nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False),
+             "meta": torch.nn.Parameter(torch.zeros(3, device="meta"))}
+    opt = torch.optim.SGD(ps + list(extra.values()), lr=0.1)
+    scaler = ampx.GradScaler("cpu", init_scale=4.0, process_group=group)
+    scaler.scale(torch.ones(()))
+    args = {"max_norm": 1e9, "norm_type": 2.0}
+
+    def set_grads(broken):
+        for p, g in zip(ps, _local_grads(rank)):
+            p.grad = g * scaler.get_scale()
+        for p in extra.values():
+            p.grad = None
+        args.update(max_norm=1e9, norm_type=2.0)
+        if not broken:
+            return
+        if kind == "overlap":
+            ps[0].grad = torch.full((1,), 1.0).expand(5)
+        elif kind == "shrunk":
+            ps[0].grad.untyped_storage().resize_(0)
+        elif kind in extra:
+            extra[kind].grad = torch.ones(3, dtype=extra[kind].dtype, device=extra[kind].device)
+        elif kind == "max_norm":
+            args["max_norm"] = None
+        else:
+            args["norm_type"] = "fro"
+
+    def scaler_call():
+        try:
+            if call == "clip":
+                return float(scaler.clip_grad_norm_(opt, args["max_norm"], args["norm_type"])), None
+            scaler.unscale_(opt)
+            return None, None
+        except Exception as e:
+            return None, f"{type(e).__name__}: {e}"
+
+    rec = {}
+    start = time.monotonic()
+    set_grads(broken=rank == bad)
+    rec["norm"], rec["message"] = scaler_call()
+    if rank == bad:
+        set_grads(broken=False)
+        rec["retry"] = scaler_call()[1]
+    scaler.step(opt)
+    scaler.update()
+    rec.update(skipped=bool(scaler.last_step_skipped), scale=scaler.get_scale())
+    rec["seconds"] = time.monotonic() - start
+    set_grads(broken=False)
+    call, kind_was = "clip", kind
+    rec["clean_norm"], rec["clean_message"] = scaler_call()
+    scaler.step(opt)
+    scaler.update()
+    rec.update(clean_skipped=bool(scaler.last_step_skipped), kind=kind_was)
+    rec["total_seconds"] = time.monotonic() - start
+    return rec
+
+
+def scenario_refusals(rank, world):
+    """Each refusal of REFUSALS on the last rank alone, over a group of 60 s timeout."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=REFUSAL_TIMEOUT_S))
+    full = torch.cat([torch.cat(_local_grads(r)) for r in range(world)]).double()
+    rec = {"truth": float(torch.linalg.vector_norm(full))}
+    for kind, call, _ in REFUSALS:
+        rec[(kind, call)] = _refusal_step(rank, world - 1, kind, call, group)
+    return rec
+
+
 SCENARIOS = {"manual": scenario_manual, "fsdp2": scenario_fsdp2, "fsdp1": scenario_fsdp1, "ddp": scenario_ddp,
-             "hsdp": scenario_hsdp, "mesh_checks": scenario_mesh_checks}
+             "hsdp": scenario_hsdp, "mesh_checks": scenario_mesh_checks,
+             "refusals": scenario_refusals}
 
 
 def run(rank, world, store, out_dir, names):

@@ -20,8 +20,8 @@ import _dist_workers as W  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 
-SCENARIOS_BY_WORLD = {2: ["manual", "fsdp2", "fsdp1", "ddp", "mesh_checks"],
-                      4: ["manual", "fsdp2", "fsdp1", "hsdp", "mesh_checks"]}
+SCENARIOS_BY_WORLD = {2: ["manual", "fsdp2", "fsdp1", "ddp", "mesh_checks", "refusals"],
+                      4: ["manual", "fsdp2", "fsdp1", "hsdp", "mesh_checks", "refusals"]}
 
 
 @pytest.fixture(scope="module", params=sorted(SCENARIOS_BY_WORLD))
@@ -142,6 +142,29 @@ def test_sharded_norm_refuses_the_layouts_it_would_get_wrong(world_results):
             else:
                 assert r["message"] is None and r["norm"] == math.inf, (name, r)
             assert r["found"] == 1.0 and r["skipped"] and r["scale"] == 2.0, (name, r)
+
+
+@pytest.mark.parametrize("kind,call,words", W.REFUSALS, ids=[f"{k}-{c}" for k, c, _ in W.REFUSALS])
+def test_a_refusal_on_one_rank_reaches_every_rank(world_results, kind, call, words):
+    """issue 29: whatever ampx refuses on one rank before the step's collective (a gradient it
+    cannot read or write, a bad clip argument) reaches the other ranks in that collective, as a
+    layout refusal does: the refusing rank raises its error, the others skip the step (an
+    overflow, an infinite norm), all well before the group's timeout; the refusing rank's retry
+    of the call raises instead of issuing a collective the others would not join, and the next
+    clean step gives the whole gradient's norm on every rank (the collectives still pair up)."""
+    world, recs = _scenario(world_results, "refusals")
+    for rank, res in enumerate(recs):
+        r = res[(kind, call)]
+        assert r["seconds"] < W.REFUSAL_TIMEOUT_S / 3 and r["total_seconds"] < W.REFUSAL_TIMEOUT_S / 3, (rank, r)
+        if rank == world - 1:
+            assert r["message"] is not None and words in r["message"], (rank, r)
+            assert "has already been called" in r["retry"], (rank, r)
+        else:
+            assert r["message"] is None, (rank, r)
+            assert call != "clip" or r["norm"] == math.inf, (rank, r)
+        assert r["skipped"] and r["scale"] == 2.0, (rank, r)
+        assert r["clean_message"] is None and not r["clean_skipped"], (rank, r)
+        assert r["clean_norm"] == pytest.approx(res["truth"], rel=1e-6), (rank, r)
 
 
 # ---- single process ------------------------------------------------------------------------

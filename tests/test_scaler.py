@@ -632,6 +632,42 @@ def test_a_failing_collective_in_a_sharded_clip_writes_nothing(tmp_path, monkeyp
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("args,exc,words", [
+    ((None,), TypeError, "max_norm must be a real number or a one-element tensor, not None"),
+    ((torch.ones(2),), ValueError, "max_norm must be a real number"),
+    ((1.0, "fro"), ValueError, "norm_type must be a real number or a one-element tensor, not 'fro'"),
+])
+def test_clip_arguments_are_checked_before_any_pass(args, exc, words):
+    """issue 29: a bad clip argument is refused before the pass (sharded, before the step's
+    collective, so it can reach the other ranks): nothing unscaled, and a retry works."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = ampx.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))
+    p.grad = torch.full((3,), 8.0)
+    with pytest.raises(exc, match=r"ampx\.GradScaler\.clip_grad_norm_: " + words):
+        scaler.clip_grad_norm_(opt, *args)
+    assert torch.equal(p.grad, torch.full((3,), 8.0))
+    assert float(scaler.clip_grad_norm_(opt, 1e9)) == pytest.approx(2.0 * math.sqrt(3))
+
+
+def test_check_written_refuses_what_a_write_would_and_writes_nothing():
+    """_C.check_written (the sharded clip's check before its collective) against the write itself:
+    the same refusals with the same text, and no version bumped."""
+    views = [torch.arange(6.0).view(2, 3).t(), torch.zeros(4)]
+    before = [v._version for v in views]
+    ampx._C.check_written("ampx.ops.mul_", views, -1)  # non-contiguous is fine to write
+    assert [v._version for v in views] == before
+    with torch.inference_mode():
+        inf = torch.zeros(2)
+    for bad in (torch.zeros(1).expand(4), inf):
+        with pytest.raises(Exception) as want:
+            ampx.ops.mul_([torch.zeros(2), bad], 2.0)
+        with pytest.raises(type(want.value)) as got:
+            ampx._C.check_written("ampx.ops.mul_", [torch.zeros(2), bad], -1)
+        assert str(got.value) == str(want.value)
+
+
 @pytest.mark.parametrize("call", [
     lambda fi: ampx.ops.unscale_([torch.ones(2)], 0.5, fi),
     lambda fi: ampx.ops.check_finite([torch.ones(2)], fi),

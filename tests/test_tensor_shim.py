@@ -184,12 +184,37 @@ def test_turning_on_needs_a_passed_probe_in_a_fresh_process():
     code = ("import ampx, sys\n"
             "from ampx import _C\n"
             "print(ampx.ops.tensor_reader())\n"
-            "try:\n    _C._set_tensor_shim(True)\nexcept RuntimeError as e:\n    print('refused:', e)\n")
+            "for switch in (_C._set_tensor_shim, _C._set_versions):\n"
+            "    try:\n        switch(True)\n    except RuntimeError as e:\n        print('refused:', e)\n")
     env = dict(os.environ, AMPX_TENSOR_SHIM="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "python attributes: turned off by AMPX_TENSOR_SHIM=0" in out.stdout
-    assert "refused: the tensor shim did not pass its start-up probe" in out.stdout
+    for switch in ("_set_tensor_shim", "_set_versions"):
+        assert f"refused: {switch}(True): the tensor shim did not pass its start-up probe" in out.stdout
+
+
+def test_every_c_route_stays_off_after_a_failed_probe():
+    """issue 29: where the shim opens but its probe fails (torch 2.9.1), no switch may turn on a C
+    route that reads tensors through the unchecked layout (C's version bump segfaulted there);
+    the routes on before a failed re-probe go off, and come back with a passing one."""
+    before = (_C._set_tensor_shim(), _C._set_versions())
+
+    def inside():
+        assert (_C._set_tensor_shim(), _C._set_versions()) == (False, False)
+        for switch in (_C._set_tensor_shim, _C._set_versions):
+            with pytest.raises(RuntimeError, match=r"\(True\): the tensor shim did not pass its start-up probe"):
+                switch(True)
+        with pytest.raises(TypeError, match="the probed shim"):
+            _C._shim_bump(torch.zeros(2))
+        t = torch.zeros(3)
+        version = t._version
+        ops.mul_([t], 2.0)  # Python's bump, the attribute reader
+        assert t._version == version + 1
+        return "ran"
+
+    assert ops._after_failed_probe(inside) == "ran"
+    assert (_C._set_tensor_shim(), _C._set_versions()) == before
 
 
 # ------------------------------------------------------------ negative bit --
