@@ -271,17 +271,17 @@ _VERSIONS_WHY_NOT = _enable_versions()
 # routes a real tensor wrongly (the calls then run eagerly, as before the ops existed).
 
 
-def _profiler_probe():
+def _profiler_probe(torch_c):
     """What tells whether a torch profiler records: (function, why the private one is not used)."""
-    enabled = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None)
+    enabled = getattr(getattr(torch_c, "_autograd", None), "_profiler_enabled", None)
     if callable(enabled):
         return enabled, None
     return (lambda: False), "torch._C._autograd._profiler_enabled is missing: profiled calls run eagerly"
 
 
-def _modes_probe():
+def _modes_probe(torch_c):
     """What tells whether a TorchDispatchMode is active: (function, why the private one is not used)."""
-    depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    depth = getattr(torch_c, "_len_torch_dispatch_stack", None)
     if callable(depth):
         return depth, None
     return (lambda: 0), "torch._C._len_torch_dispatch_stack is missing: calls under a dispatch mode run eagerly"
@@ -297,10 +297,12 @@ def _fake_probe():
     return (lambda t: isinstance(t, FakeTensor)), None
 
 
-def _probe_dispatch_hooks():
-    """Sets the three questions; returns the list of fallbacks taken (empty on a usual torch)."""
+def _probe_dispatch_hooks(torch_c=torch._C):
+    """Sets the three questions; returns the list of fallbacks taken (empty on a usual torch).
+    torch_c: where to look for torch's private functions (tests pass a torch that lacks them)."""
     global _profiling, _dispatch_modes, _is_fake
-    (_profiling, a), (_dispatch_modes, b), (_is_fake, c) = _profiler_probe(), _modes_probe(), _fake_probe()
+    (_profiling, a), (_dispatch_modes, b) = _profiler_probe(torch_c), _modes_probe(torch_c)
+    _is_fake, c = _fake_probe()
     return [why for why in (a, b, c) if why]
 
 
@@ -326,6 +328,12 @@ def _dispatching(tensors):
     # Under a profiler only lists of plain dense tensors: a DTensor, sparse or nested gradient has
     # no ampx:: kernel and keeps the eager path (and the scaler's fallbacks for it).
     return _profiling() and all(type(t) in _PLAIN and t.layout is torch.strided for t in tensors)
+
+
+def _detached(outputs):
+    """A norm from the dispatcher as eager gives it, outside autograd: the ops have no autograd
+    kernel, so torch's fallback would hand a norm of parameters a grad_fn that only warns."""
+    return tuple(t.detach() for t in outputs)
 
 
 def _factor(op, name, value):
@@ -421,8 +429,8 @@ def norm(tensors, ord=2.0, *, factor=None, found_inf=None, flags=None, per_tenso
     _check_outputs(op, found_inf=found_inf, flags=flags)
     r = _reduce_code(op, ord)
     if _dispatching(tensors):
-        total, per = torch.ops.ampx.norm(tensors, r, *_factor(op, "factor", factor), found_inf, flags,
-                                         bool(per_tensor), _split)
+        total, per = _detached(torch.ops.ampx.norm(tensors, r, *_factor(op, "factor", factor), found_inf, flags,
+                                                   bool(per_tensor), _split))
     else:
         total, per = _norm(tensors, r, factor, found_inf, flags, per_tensor, _split)
     return (total, per) if per_tensor else total
@@ -453,8 +461,8 @@ def unscale_norm_(tensors, inv_scale, found_inf, *, ord=2.0, flags=None, per_ten
     _check_outputs(op, found_inf=found_inf, flags=flags)
     r = _reduce_code(op, ord)
     if _dispatching(tensors):
-        total, per = torch.ops.ampx.unscale_norm_(tensors, *_factor(op, "inv_scale", inv_scale), found_inf, flags, r,
-                                                  bool(per_tensor))
+        total, per = _detached(torch.ops.ampx.unscale_norm_(tensors, *_factor(op, "inv_scale", inv_scale), found_inf,
+                                                            flags, r, bool(per_tensor)))
     else:
         total, per = _unscale_norm(tensors, inv_scale, found_inf, flags, r, per_tensor)
     return (total, per) if per_tensor else total
