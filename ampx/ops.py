@@ -310,18 +310,19 @@ DISPATCH_FALLBACKS = _probe_dispatch_hooks()
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _dispatching(tensors):
+def _dispatching(tensors, meta=True):
     """Whether this call must go through torch.ops.ampx (see above); ``tensors`` is the call's
     tensor list, already a list or tuple. The first tensor stands for the list: a list mixing
-    meta or fake tensors with real ones is refused either way (by _C or by the fake)."""
+    meta or fake tensors with real ones is refused either way (by _C or by the fake).
+    meta=False: meta tensors keep the eager path (and its refusal)."""
     if torch.compiler.is_compiling():
         return True
     if len(tensors):
         first = tensors[0]
         if type(first) in _PLAIN:
-            if first.is_meta:
+            if meta and first.is_meta:
                 return True
-        elif isinstance(first, torch.Tensor) and (first.is_meta or _is_fake(first)):
+        elif isinstance(first, torch.Tensor) and ((meta and first.is_meta) or _is_fake(first)):
             return True
     if _dispatch_modes():
         return True
@@ -670,7 +671,9 @@ def _scaler_pass(tensors, mode_reduce, factor, found_inf, flags, write, refuse_f
     Returns the total as a 0-dim float32 tensor when reducing, else None.
     Raises _C.LayoutError (a ValueError) for sparse tensors before writing.
     """
-    if _dispatching(tensors):
+    # A scaler steps real gradients: meta ones beside a real scale stay refused (FakeTensorMode
+    # and compile, which trace a step, still take the ops).
+    if _dispatching(tensors, meta=False):
         kernel = torch.ops.ampx._scaler_unscale_ if write else torch.ops.ampx._scaler_check
         total = kernel(tensors, mode_reduce, *_factor("ampx.GradScaler", "inv_scale", factor), found_inf, flags,
                        bool(refuse_fp16), split)
