@@ -308,6 +308,7 @@ def _probe_dispatch_hooks(torch_c=torch._C):
 
 DISPATCH_FALLBACKS = _probe_dispatch_hooks()
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_is_compiling = torch.compiler.is_compiling  # the same function (dynamo knows it), looked up once
 
 
 def _dispatching(tensors, meta=True):
@@ -315,7 +316,7 @@ def _dispatching(tensors, meta=True):
     tensor list, already a list or tuple. The first tensor stands for the list: a list mixing
     meta or fake tensors with real ones is refused either way (by _C or by the fake).
     meta=False: meta tensors keep the eager path (and its refusal)."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return True
     if len(tensors):
         first = tensors[0]
