@@ -9,7 +9,8 @@ Cases:
   * 10,000 x 1,000 float32 (separate tensors): ``unscale_norm_`` with found_inf and flags, as
     the scaler's clip runs it (target: at most 5% slower than before);
   * the routing check alone (``ops._dispatching``) on the 10,000 list: all that the eager path
-    adds, whatever the list's length (the load of a shared VM swamps it in the list's timing);
+    adds, whatever the list's length (the load of a shared VM swamps it in the list's timing),
+    and, in one process, interleaved, the public 10k call against the kernel call it makes;
   * for reference, the same one-tensor ``unscale_`` through ``torch.ops.ampx`` (the dispatcher
     route that compile and the profiler take), when the build has it.
 
@@ -31,7 +32,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SMALL_CALLS, SMALL_BLOCKS = 2000, 15
-N_TENSORS, SIZE, LIST_ITERS = 10_000, 1_000, 41
+N_TENSORS, SIZE, LIST_ITERS, AB_PAIRS = 10_000, 1_000, 41, 100
 
 
 def _per_call(fn, calls, blocks):
@@ -52,7 +53,7 @@ def measure():
     import torch
 
     import ampx  # noqa: F401
-    from ampx import ops
+    from ampx import _C, ops
 
     one = [torch.randn(SIZE)]
     found = torch.zeros(1)
@@ -70,6 +71,13 @@ def measure():
         lambda: ops.unscale_norm_(many, 1.0, found, flags=flags), 1, LIST_ITERS)
     if hasattr(ops, "_dispatching"):  # the whole of what the eager path adds, for either list
         out["routing check alone, 10k list"] = _per_call(lambda: ops._dispatching(many), SMALL_CALLS, SMALL_BLOCKS)
+        # In one process, interleaved, so that the load of other work falls on both alike: the
+        # public call against the kernel call it makes (the path before the ops, minus checks).
+        public = lambda: ops.unscale_norm_(many, 1.0, found, flags=flags)  # noqa: E731
+        direct = lambda: ops._unscale_norm(many, 1.0, found, flags, _C.REDUCE_SUMSQ, False)  # noqa: E731
+        pairs = [(_per_call(public, 1, 1), _per_call(direct, 1, 1)) for _ in range(AB_PAIRS)]
+        out["unscale_norm_ 10k: public / direct kernel call (ratio)"] = (min(a for a, _ in pairs)
+                                                                         / min(b for _, b in pairs))
     if hasattr(torch.ops.ampx, "unscale_"):
         kernel = torch.ops.ampx.unscale_
         out["torch.ops.ampx.unscale_, 1 tensor (dispatcher)"] = _per_call(
@@ -86,7 +94,9 @@ def _child(path):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _fmt(us):
+def _fmt(us, case=""):
+    if case.endswith("(ratio)"):
+        return f"{us:9.3f}   "
     return f"{us / 1000:9.3f} ms" if us >= 1000 else f"{us:9.2f} us"
 
 
@@ -105,7 +115,7 @@ def main():
         got = {label: _child(path) for label, path in order}
         print(f"run {rep + 1} (order: {', '.join(label for label, _ in order)})")
         for case, after in got["after"].items():
-            line = f"  {case:50s} after {_fmt(after)}"
+            line = f"  {case:56s} after {_fmt(after, case)}"
             before = got.get("before", {}).get(case)
             if before is not None:
                 line += f"   before {_fmt(before)}   after/before {after / before:6.3f}"
