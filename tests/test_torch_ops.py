@@ -11,6 +11,7 @@ Covers, for each public op of ampx.ops and the scaler's two passes:
 - torch.export of a module using the ops, which then runs as eager does;
 - the eager path: no dispatcher (the profiler's absence of an ampx:: event shows it), and
   the fallbacks taken where torch lacks a private function the routing asks;
+- a profiled scaler step (its passes named ampx::*, its bits unchanged);
 - torch.compile(train_step) with ampx.GradScaler (the "weak object has gone away" crash), the
   same bits as eager.
 Everything runs with both tensor readers (the C shim and Python attributes, as in
@@ -395,3 +396,12 @@ def test_a_process_started_with_attributes_only(reader):
     env = dict(os.environ, AMPX_TENSOR_SHIM="0")
     r = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_a_profiled_scaler_step_names_its_passes_and_keeps_its_bits():
+    want = _train("sgd", False, steps=3)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = _train("sgd", False, steps=3)
+    names = {e.name for e in prof.events()}
+    assert {"ampx::_scaler_unscale_", "ampx::update_scale_"} <= names, sorted(n for n in names if "ampx" in n)
+    _same_bits(got, want)
