@@ -38,6 +38,7 @@ if _simd:
         raise ImportError(f"AMPX_SIMD={_simd!r}: {e}") from None
 
 from . import cuda, ops  # noqa: E402
+from . import _torch_ops  # noqa: E402,F401  (defines torch.ops.ampx.*)
 from .grad_buffer import GradBuffer  # noqa: E402
 from .master import MasterWeights  # noqa: E402
 from .policy import PerformanceWarning, Policy  # noqa: E402

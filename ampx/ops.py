@@ -289,6 +289,94 @@ def _need_factor(op, name, value):
         raise TypeError(f"{op}: {name} must be a float or a 1-element float32 tensor, not None")
 
 
+# ---- when a call goes through torch's dispatcher (the ampx:: ops of ampx/_torch_ops.py) --------
+# Eager calls go straight to _C: the dispatcher would cost microseconds a call for nothing. A call
+# takes the registered op only where torch must see it: while torch.compile (or export) traces,
+# while a profiler records, under a TorchDispatchMode (FakeTensorMode, FlopCounterMode ...), and
+# for meta or fake tensors. Two of these questions have no public answer in torch, so each is
+# asked through a private function when this torch has it, else through a fallback that never
+# routes a real tensor wrongly (the calls then run eagerly, as before the ops existed).
+
+
+def _profiler_probe(torch_c):
+    """What tells whether a torch profiler records: (function, why the private one is not used)."""
+    enabled = getattr(getattr(torch_c, "_autograd", None), "_profiler_enabled", None)
+    if callable(enabled):
+        return enabled, None
+    return (lambda: False), "torch._C._autograd._profiler_enabled is missing: profiled calls run eagerly"
+
+
+def _modes_probe(torch_c):
+    """What tells whether a TorchDispatchMode is active: (function, why the private one is not used)."""
+    depth = getattr(torch_c, "_len_torch_dispatch_stack", None)
+    if callable(depth):
+        return depth, None
+    return (lambda: 0), "torch._C._len_torch_dispatch_stack is missing: calls under a dispatch mode run eagerly"
+
+
+def _fake_probe():
+    """What tells a FakeTensor: (function, why the private class is not used). The fallback asks for
+    the fake_mode attribute every FakeTensor carries."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:
+        return (lambda t: getattr(t, "fake_mode", None) is not None), "torch._subclasses.fake_tensor is missing"
+    return (lambda t: isinstance(t, FakeTensor)), None
+
+
+def _probe_dispatch_hooks(torch_c=torch._C):
+    """Sets the three questions; returns the list of fallbacks taken (empty on a usual torch).
+    torch_c: where to look for torch's private functions (tests pass a torch that lacks them)."""
+    global _profiling, _dispatch_modes, _is_fake
+    (_profiling, a), (_dispatch_modes, b) = _profiler_probe(torch_c), _modes_probe(torch_c)
+    _is_fake, c = _fake_probe()
+    return [why for why in (a, b, c) if why]
+
+
+DISPATCH_FALLBACKS = _probe_dispatch_hooks()
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_is_compiling = torch.compiler.is_compiling  # the same function (dynamo knows it), looked up once
+
+
+def _dispatching(tensors, meta=True):
+    """Whether this call must go through torch.ops.ampx (see above); ``tensors`` is the call's
+    tensor list, already a list or tuple. The first tensor stands for the list: a list mixing
+    meta or fake tensors with real ones is refused either way (by _C or by the fake).
+    meta=False: meta tensors keep the eager path (and its refusal)."""
+    if _is_compiling():
+        return True
+    if len(tensors):
+        first = tensors[0]
+        if type(first) in _PLAIN:
+            if meta and first.is_meta:
+                return True
+        elif isinstance(first, torch.Tensor) and ((meta and first.is_meta) or _is_fake(first)):
+            return True
+    if _dispatch_modes():
+        return True
+    # Under a profiler only lists of plain dense tensors: a DTensor, sparse or nested gradient has
+    # no ampx:: kernel and keeps the eager path (and the scaler's fallbacks for it).
+    return _profiling() and all(type(t) in _PLAIN and t.layout is torch.strided for t in tensors)
+
+
+def _detached(outputs):
+    """A norm from the dispatcher as eager gives it, outside autograd: the ops have no autograd
+    kernel, so torch's fallback would hand a norm of parameters a grad_fn that only warns."""
+    return tuple(t.detach() for t in outputs)
+
+
+def _factor(op, name, value):
+    """A factor argument as the schemas take it: (tensor or None, float or None)."""
+    if value is None or isinstance(value, torch.Tensor):
+        return value, None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, not {type(value)!r}")
+    try:
+        return None, float(value)
+    except OverflowError:
+        raise ValueError(f"{op}: {name} is an integer too large for a float ({value!r})") from None
+
+
 def unscale_(tensors, inv_scale, found_inf, *, flags=None):
     """Multiplies every tensor in place by ``inv_scale`` and checks for inf/NaN.
 
@@ -309,9 +397,17 @@ def unscale_(tensors, inv_scale, found_inf, *, flags=None):
             share memory (an expanded or overlapping strided view).
     """
     tensors = _as_list(tensors, "tensors", "ampx.ops.unscale_")
+    _need_factor("ampx.ops.unscale_", "inv_scale", inv_scale)
+    _check_outputs("ampx.ops.unscale_", found_inf=found_inf, flags=flags)
+    if _dispatching(tensors):
+        torch.ops.ampx.unscale_(tensors, *_factor("ampx.ops.unscale_", "inv_scale", inv_scale), found_inf, flags)
+        return
+    _unscale(tensors, inv_scale, found_inf, flags)
+
+
+def _unscale(tensors, inv_scale, found_inf, flags):
+    """The kernel call of unscale_ (and ampx::unscale_'s CPU and CUDA implementation)."""
     op = "ampx.ops.unscale_"
-    _need_factor(op, "inv_scale", inv_scale)
-    _check_outputs(op, found_inf=found_inf, flags=flags)
     _C.scale_reduce(op, tensors, _SCALE | _WRITE | _CHECK, factor=inv_scale, factor_name="inv_scale",
                     found_inf=found_inf, flags=flags, **_on(op, _cuda_device(tensors)))
 
@@ -324,8 +420,15 @@ def check_finite(tensors, found_inf, *, flags=None):
     Arguments and errors as for ``unscale_``.
     """
     tensors = _as_list(tensors, "tensors", "ampx.ops.check_finite")
+    _check_outputs("ampx.ops.check_finite", found_inf=found_inf, flags=flags)
+    if _dispatching(tensors):
+        torch.ops.ampx.check_finite(tensors, found_inf, flags)
+        return
+    _check_finite(tensors, found_inf, flags)
+
+
+def _check_finite(tensors, found_inf, flags):
     op = "ampx.ops.check_finite"
-    _check_outputs(op, found_inf=found_inf, flags=flags)
     _C.scale_reduce(op, tensors, _CHECK, found_inf=found_inf, flags=flags, **_on(op, _cuda_device(tensors)))
 
 
@@ -355,12 +458,23 @@ def norm(tensors, ord=2.0, *, factor=None, found_inf=None, flags=None, per_tenso
     op = "ampx.ops.norm"
     _check_outputs(op, found_inf=found_inf, flags=flags)
     r = _reduce_code(op, ord)
-    mode = _CHECK | (r << _SHIFT) | (_SCALE if factor is not None else 0)
+    if _dispatching(tensors):
+        total, per = _detached(torch.ops.ampx.norm(tensors, r, *_factor(op, "factor", factor), found_inf, flags,
+                                                   bool(per_tensor), _split))
+    else:
+        total, per = _norm(tensors, r, factor, found_inf, flags, per_tensor, _split)
+    return (total, per) if per_tensor else total
+
+
+def _norm(tensors, reduce, factor, found_inf, flags, per_tensor, split):
+    """The kernel call of norm; returns (total, per-tensor norms or None)."""
+    op = "ampx.ops.norm"
+    mode = _CHECK | (reduce << _SHIFT) | (_SCALE if factor is not None else 0)
     dev = _cuda_device(tensors)
     total, per = _outputs(tensors, per_tensor, dev)
     _C.scale_reduce(op, tensors, mode, factor=factor, found_inf=found_inf, flags=flags, per_tensor=per, out=total,
-                    **_on(op, dev, _split))
-    return (total, per) if per_tensor else total
+                    **_on(op, dev, split))
+    return total, per
 
 
 def unscale_norm_(tensors, inv_scale, found_inf, *, ord=2.0, flags=None, per_tensor=False):
@@ -376,11 +490,22 @@ def unscale_norm_(tensors, inv_scale, found_inf, *, ord=2.0, flags=None, per_ten
     op = "ampx.ops.unscale_norm_"
     _check_outputs(op, found_inf=found_inf, flags=flags)
     r = _reduce_code(op, ord)
+    if _dispatching(tensors):
+        total, per = _detached(torch.ops.ampx.unscale_norm_(tensors, *_factor(op, "inv_scale", inv_scale), found_inf,
+                                                            flags, r, bool(per_tensor)))
+    else:
+        total, per = _unscale_norm(tensors, inv_scale, found_inf, flags, r, per_tensor)
+    return (total, per) if per_tensor else total
+
+
+def _unscale_norm(tensors, inv_scale, found_inf, flags, reduce, per_tensor):
+    op = "ampx.ops.unscale_norm_"
     dev = _cuda_device(tensors)
     total, per = _outputs(tensors, per_tensor, dev)
-    _C.scale_reduce(op, tensors, _SCALE | _WRITE | _CHECK | (r << _SHIFT), factor=inv_scale, factor_name="inv_scale",
-                    found_inf=found_inf, flags=flags, per_tensor=per, out=total, **_on(op, dev))
-    return (total, per) if per_tensor else total
+    _C.scale_reduce(op, tensors, _SCALE | _WRITE | _CHECK | (reduce << _SHIFT), factor=inv_scale,
+                    factor_name="inv_scale", found_inf=found_inf, flags=flags, per_tensor=per, out=total,
+                    **_on(op, dev))
+    return total, per
 
 
 def mul_(tensors, factor, *, _split=SPLIT_DYNAMIC):
@@ -391,9 +516,16 @@ def mul_(tensors, factor, *, _split=SPLIT_DYNAMIC):
     to the tensor's dtype. Errors as for ``unscale_``.
     """
     tensors = _as_list(tensors, "tensors", "ampx.ops.mul_")
+    _need_factor("ampx.ops.mul_", "factor", factor)
+    if _dispatching(tensors):
+        torch.ops.ampx.mul_(tensors, *_factor("ampx.ops.mul_", "factor", factor), _split)
+        return
+    _mul(tensors, factor, _split)
+
+
+def _mul(tensors, factor, split):
     op = "ampx.ops.mul_"
-    _need_factor(op, "factor", factor)
-    _C.scale_reduce(op, tensors, _SCALE | _WRITE, factor=factor, **_on(op, _cuda_device(tensors), _split))
+    _C.scale_reduce(op, tensors, _SCALE | _WRITE, factor=factor, **_on(op, _cuda_device(tensors), split))
 
 
 _U64 = 1 << 64
@@ -446,8 +578,24 @@ def cast_(src, dst, *, inv_scale=None, found_inf=None, flags=None, rounding="nea
         raise ValueError(f"{op}: rng must be a contiguous int64 tensor of 2 elements [seed, offset], not "
                          f"{type(rng).__name__ if not isinstance(rng, torch.Tensor) else (rng.dtype, tuple(rng.shape))}")
     _check_outputs(op, found_inf=found_inf, flags=flags)
+    stochastic = rounding == "stochastic"
+    if _dispatching(src if len(src) else dst):
+        # the schema's ints are int64: seed and offset travel as their two's-complement bits
+        torch.ops.ampx.cast_(src, dst, *_factor(op, "inv_scale", inv_scale), found_inf, flags, stochastic,
+                             _signed64(seed), _signed64(offset), rng)
+        return
+    _cast(src, dst, inv_scale, found_inf, flags, stochastic, seed, offset, rng)
+
+
+def _signed64(v):
+    return v - _U64 if v >= _U64 // 2 else v
+
+
+def _cast(src, dst, inv_scale, found_inf, flags, stochastic, seed, offset, rng):
+    """The kernel call of cast_ (seed and offset in [0, 2**64))."""
+    op = "ampx.ops.cast_"
     dev = _cuda_device(src) if len(src) else _cuda_device(dst)
-    _C.cast(op, src, dst, inv_scale=inv_scale, found_inf=found_inf, flags=flags, stochastic=rounding == "stochastic",
+    _C.cast(op, src, dst, inv_scale=inv_scale, found_inf=found_inf, flags=flags, stochastic=stochastic,
             seed=seed, offset=offset, rng=None if rng is None else rng.view(torch.uint8), **_on(op, dev))
 
 
@@ -484,6 +632,17 @@ def _update_scale_events(scale, growth_tracker, found_inf, growth_factor, backof
     The settings are the caller's to check (``check_scale_rule``)."""
     if hysteresis > 1 and hysteresis_tracker is None:
         raise ValueError("ampx.ops.update_scale_: hysteresis > 1 needs a hysteresis_tracker (int32, 1 element)")
+    if isinstance(scale, torch.Tensor) and _dispatching([scale]):
+        return torch.ops.ampx.update_scale_(scale, growth_tracker, found_inf, float(growth_factor),
+                                            float(backoff_factor), int(growth_interval), int(hysteresis),
+                                            hysteresis_tracker, bool(consecutive_hysteresis), float(min_scale),
+                                            float(max_scale))
+    return _update_scale(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval,
+                         hysteresis, hysteresis_tracker, consecutive_hysteresis, min_scale, max_scale)
+
+
+def _update_scale(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval,
+                  hysteresis, hysteresis_tracker, consecutive_hysteresis, min_scale, max_scale):
     dev = scale.get_device() if isinstance(scale, torch.Tensor) and scale.is_cuda else -1
     events = torch.empty((), dtype=torch.int32, device=scale.device) if dev >= 0 else None
     ev = _C.update_scale(scale, growth_tracker, found_inf, float(growth_factor), float(backoff_factor),
@@ -538,6 +697,17 @@ def _scaler_pass(tensors, mode_reduce, factor, found_inf, flags, write, refuse_f
     Returns the total as a 0-dim float32 tensor when reducing, else None.
     Raises _C.LayoutError (a ValueError) for sparse tensors before writing.
     """
+    # A scaler steps real gradients: meta ones beside a real scale stay refused (FakeTensorMode
+    # and compile, which trace a step, still take the ops).
+    if _dispatching(tensors, meta=False):
+        kernel = torch.ops.ampx._scaler_unscale_ if write else torch.ops.ampx._scaler_check
+        total = kernel(tensors, mode_reduce, *_factor("ampx.GradScaler", "inv_scale", factor), found_inf, flags,
+                       bool(refuse_fp16), split)
+        return total if mode_reduce else None
+    return _scaler_kernel(tensors, mode_reduce, factor, found_inf, flags, write, refuse_fp16, device, split)
+
+
+def _scaler_kernel(tensors, mode_reduce, factor, found_inf, flags, write, refuse_fp16, device, split):
     mode = _CHECK | (mode_reduce << _SHIFT)
     if write:
         mode |= _SCALE | _WRITE

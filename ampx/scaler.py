@@ -569,21 +569,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                 coef = state["clip_coef"]
                 if coef is not None:
                     grad_scale = grad_scale / coef
-            optimizer.grad_scale = grad_scale
-            # On the CPU the flag is a host value already, so reading it costs no sync: when it is
-            # clear, torch's own fused optimizers are not handed it, which spares their step
-            # adding it to and subtracting it from every step counter (one small op per parameter
-            # each way: ~0.1 ms a step on LoRA's 288 tensors) and leaves the same state, bit for
-            # bit. Other optimizers of this contract may expect the tensor: they always get it.
-            if (_takes_no_found_inf(optimizer) and isinstance(found_inf, torch.Tensor)
-                    and found_inf.device.type == "cpu" and not found_inf.item()):
-                found_inf = None
-            optimizer.found_inf = found_inf
-            try:
-                retval = stepper.step(*args, **kwargs)
-            finally:
-                del optimizer.grad_scale
-                del optimizer.found_inf
+            retval, found_inf = _step_handing_scale(stepper, optimizer, grad_scale, found_inf, args, kwargs)
             state["stage"] = OptState.STEPPED
             self.last_step_skipped = _LazySkip(found_inf) if found_inf is not None else False
             return retval
@@ -803,6 +789,28 @@ def _takes_no_found_inf(optimizer):
     return type(optimizer).__module__.startswith("torch.optim.") and bool(optimizer.defaults.get("fused"))
 
 
+@torch.compiler.disable  # host-driven: dynamo loses the attributes set here across its graph breaks
+def _step_handing_scale(stepper, optimizer, grad_scale, found_inf, args, kwargs):
+    """Steps an optimizer that handles scaling itself, handing it grad_scale and found_inf as
+    attributes for the step only; returns (what its step returns, the found_inf handed)."""
+    optimizer.grad_scale = grad_scale
+    # On the CPU the flag is a host value already, so reading it costs no sync: when it is
+    # clear, torch's own fused optimizers are not handed it, which spares their step
+    # adding it to and subtracting it from every step counter (one small op per parameter
+    # each way: ~0.1 ms a step on LoRA's 288 tensors) and leaves the same state, bit for
+    # bit. Other optimizers of this contract may expect the tensor: they always get it.
+    if (_takes_no_found_inf(optimizer) and isinstance(found_inf, torch.Tensor)
+            and found_inf.device.type == "cpu" and not found_inf.item()):
+        found_inf = None
+    optimizer.found_inf = found_inf
+    try:
+        retval = stepper.step(*args, **kwargs)
+    finally:
+        del optimizer.grad_scale
+        del optimizer.found_inf
+    return retval, found_inf
+
+
 def _who(names, p, i):
     """How errors name the i-th parameter with a gradient: its watched name, else its place."""
     return names.get(id(p)) or f"parameter {i} with a gradient, shape {tuple(p.shape)}"
@@ -873,6 +881,7 @@ def _split(optimizer):
 _DRIVES_SCALER = weakref.WeakKeyDictionary()  # step function -> whether it takes grad_scaler=
 
 
+@torch.compiler.disable  # dynamo cannot trace the weak dictionary ("weak object has gone away")
 def _drives_scaler_itself(step):
     """Whether an optimizer's ``step`` takes ``grad_scaler=`` (torch's deprecated contract).
     Cached per function: inspect.signature costs about 65 us, a tenth of a small model's step."""

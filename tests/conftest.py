@@ -193,6 +193,18 @@ def threaded(request):
         yield request.param
 
 
+@pytest.fixture(params=["shim", "attributes"])
+def reader(request):
+    """Runs the test once with each tensor reader (the C shim, Python attributes); restores the previous state."""
+    if request.param == "shim" and not ampx._C._set_tensor_shim():
+        pytest.skip(f"the shim is off here: {ops.tensor_reader()}")
+    prev = ampx._C._set_tensor_shim(request.param == "shim")
+    try:
+        yield request.param
+    finally:
+        ampx._C._set_tensor_shim(prev)
+
+
 @pytest.fixture
 def rng(request):
     # A stable per-test seed, so a failure reproduces.
