@@ -16,11 +16,14 @@ per update with warm-up, ``ModelEmaV3`` with warm-up), for each ``clip_mode`` (n
 - the errors: a bad clip_mode or dtype, ``hold_on_skip`` given timm's own scaler.
 """
 import importlib.util
-import subprocess
+import os
 import sys
 
 import pytest
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _accel_helpers import InfAt  # noqa: E402
 
 
 def _import_timm():
@@ -72,18 +75,6 @@ def _batches(n):
     return [(torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(n)]
 
 
-def _inf_at(model, step_box, at):
-    """A hook on NAME's gradient that turns one element into inf on update `at` (all micro-batches)."""
-    p = dict(model.named_parameters())[NAME]
-
-    def hook(g):
-        if step_box[0] == at:
-            g = g.clone()
-            g.view(-1)[3] = float("inf")
-        return g
-    return p.register_hook(hook)
-
-
 def _train(make_scaler, clip_mode="norm", inf_at=None, steps=STEPS, accum=1, dtype=torch.float16,
            exclude_head=False, hold=True):
     """timm's train_one_epoch in miniature; returns per-update records."""
@@ -95,8 +86,7 @@ def _train(make_scaler, clip_mode="norm", inf_at=None, steps=STEPS, accum=1, dty
     scaler = make_scaler(model, dtype)
     if hold and isinstance(scaler, NativeScaler):
         hold_on_skip(scaler, scheduler, ema)
-    box = [0]
-    handle = None if inf_at is None else _inf_at(model, box, inf_at)
+    inf = None if inf_at is None else InfAt(dict(model.named_parameters())[NAME], [inf_at], accum)
     params = [p for n, p in model.named_parameters() if not (exclude_head and n.startswith("head"))]
     records, num_updates = [], 0
     for i, (x, y) in enumerate(_batches(steps * accum)):
@@ -114,9 +104,8 @@ def _train(make_scaler, clip_mode="norm", inf_at=None, steps=STEPS, accum=1, dty
         records.append({"skipped": skipped, "lr": optimizer.param_groups[0]["lr"],
                         "params": [p.detach().clone() for p in model.parameters()],
                         "ema": [p.detach().clone() for p in ema.module.parameters()]})
-        box[0] += 1
-    if handle is not None:
-        handle.remove()
+    if inf is not None:
+        inf.handle.remove()
     return records, scaler
 
 
@@ -231,11 +220,3 @@ def test_hold_on_skip_twice_wraps_once():
     hold_on_skip(scaler, model_ema=ema)
     assert ema.update is first
 
-
-def test_import_ampx_does_not_import_timm_and_a_missing_timm_names_the_extra():
-    code = ("import sys, ampx, ampx.integrations; assert 'timm' not in sys.modules\n"
-            "sys.modules['timm'] = None\n"
-            "try:\n    import ampx.integrations.timm\nexcept ImportError as e:\n    print(e)\n"
-            "else:\n    raise SystemExit('imported')")
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
-    assert "pip install ampx[timm]" in out
