@@ -15,7 +15,6 @@ per update with warm-up, ``ModelEmaV3`` with warm-up), for each ``clip_mode`` (n
 - ``state_dict`` round trip (the skipped count with it) and loading a stock timm checkpoint;
 - the errors: a bad clip_mode or dtype, ``hold_on_skip`` given timm's own scaler.
 """
-import importlib.util
 import os
 import sys
 
@@ -24,32 +23,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _accel_helpers import InfAt  # noqa: E402
+from _frameworks import import_timm  # noqa: E402
 
 
-def _import_timm():
-    """timm, or a skip. torchvision's CUDA wheels cannot load their C ops under a CPU-only torch,
-    and torchvision 0.28's import then fails registering fake kernels for two of them; timm
-    needs only torchvision's Python parts, so the two schemas are declared when that happens."""
-    if importlib.util.find_spec("timm") is None:
-        pytest.skip("timm is not installed (pip install ampx[timm])", allow_module_level=True)
-    if importlib.util.find_spec("torchvision") is None:
-        pytest.skip("timm needs torchvision, which is not installed", allow_module_level=True)
-    try:
-        import timm
-    except RuntimeError as exc:
-        if "torchvision::" not in str(exc):
-            raise
-        for name in [m for m in sys.modules if m.split(".")[0] in ("torchvision", "timm")]:
-            del sys.modules[name]
-        lib = torch.library.Library("torchvision", "DEF")
-        lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        _import_timm.lib = lib  # kept alive: the schemas go with it
-        import timm
-    return timm
-
-
-timm = _import_timm()
+timm = import_timm()
 from timm.optim import create_optimizer_v2  # noqa: E402
 from timm.scheduler import create_scheduler_v2  # noqa: E402
 from timm.utils import ModelEmaV3  # noqa: E402

@@ -113,8 +113,14 @@ class RecipePrecision:
 
     def hold(self, lr_scheduler):
         """Makes ``lr_scheduler.step()`` do nothing right after a skipped ``step``; returns the
-        scheduler. Calling it again on the same scheduler changes nothing."""
-        original = lr_scheduler.step
+        scheduler. Calling it again on the same scheduler changes nothing.
+
+        Raises:
+            TypeError: ``lr_scheduler`` has no ``step()``.
+        """
+        original = getattr(lr_scheduler, "step", None)
+        if not callable(original):
+            raise TypeError(f"{_NAME}.hold: {type(lr_scheduler).__name__} has no step() to hold")
         if getattr(original, "_ampx_held", False):
             return lr_scheduler
         owner = self
