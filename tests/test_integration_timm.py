@@ -15,6 +15,7 @@ per update with warm-up, ``ModelEmaV3`` with warm-up), for each ``clip_mode`` (n
 - ``state_dict`` round trip (the skipped count with it) and loading a stock timm checkpoint;
 - the errors: a bad clip_mode or dtype, ``hold_on_skip`` given timm's own scaler.
 """
+import io
 import os
 import sys
 
@@ -52,9 +53,7 @@ def _batches(n):
     return [(torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(n)]
 
 
-def _train(make_scaler, clip_mode="norm", inf_at=None, steps=STEPS, accum=1, dtype=torch.float16,
-           exclude_head=False, hold=True):
-    """timm's train_one_epoch in miniature; returns per-update records."""
+def _setup(make_scaler, dtype, steps, hold):
     model = _model()
     optimizer = create_optimizer_v2(model, "adamw", lr=1e-2, weight_decay=0.05)
     scheduler, _ = create_scheduler_v2(optimizer, "cosine", num_epochs=2, warmup_epochs=1, warmup_lr=1e-4,
@@ -63,10 +62,27 @@ def _train(make_scaler, clip_mode="norm", inf_at=None, steps=STEPS, accum=1, dty
     scaler = make_scaler(model, dtype)
     if hold and isinstance(scaler, NativeScaler):
         hold_on_skip(scaler, scheduler, ema)
+    return model, optimizer, scheduler, ema, scaler
+
+
+def _resumed(run, make_scaler, dtype, steps, hold):
+    """A fresh set-up loaded from `run`'s state dicts, as timm's resume_checkpoint does."""
+    new = _setup(make_scaler, dtype, steps, hold)
+    for old, fresh in zip(run, new):
+        fresh.load_state_dict(old.state_dict())
+    return new
+
+
+def _train(make_scaler, clip_mode="norm", inf_at=None, steps=STEPS, accum=1, dtype=torch.float16,
+           exclude_head=False, hold=True, resume_after=None):
+    """timm's train_one_epoch in miniature (with a resume from a checkpoint after update
+    `resume_after`); returns per-update records."""
+    run = _setup(make_scaler, dtype, steps, hold)
+    model, optimizer, scheduler, ema, scaler = run
     inf = None if inf_at is None else InfAt(dict(model.named_parameters())[NAME], [inf_at], accum)
-    params = [p for n, p in model.named_parameters() if not (exclude_head and n.startswith("head"))]
     records, num_updates = [], 0
     for i, (x, y) in enumerate(_batches(steps * accum)):
+        params = [p for n, p in model.named_parameters() if not (exclude_head and n.startswith("head"))]
         need_update = (i + 1) % accum == 0
         with torch.autocast("cpu", dtype=dtype):
             loss = torch.nn.functional.cross_entropy(model(x), y) / accum
@@ -81,6 +97,9 @@ def _train(make_scaler, clip_mode="norm", inf_at=None, steps=STEPS, accum=1, dty
         records.append({"skipped": skipped, "lr": optimizer.param_groups[0]["lr"],
                         "params": [p.detach().clone() for p in model.parameters()],
                         "ema": [p.detach().clone() for p in ema.module.parameters()]})
+        if num_updates == resume_after:
+            run = _resumed(run, make_scaler, dtype, steps, hold)
+            model, optimizer, scheduler, ema, scaler = run
     if inf is not None:
         inf.handle.remove()
     return records, scaler
@@ -177,6 +196,16 @@ def test_state_dict_round_trip_and_a_stock_checkpoint():
     assert NativeScaler.state_dict_key == StockScaler.state_dict_key
 
 
+def test_a_resumed_run_holds_the_same_offsets_as_the_uninterrupted_one():
+    whole, _ = _train(_ampx, "norm", inf_at=1, steps=4)
+    resumed, scaler = _train(_ampx, "norm", inf_at=1, steps=4, resume_after=2)
+    assert scaler.skipped_updates == 1
+    for a, b in zip(whole, resumed):
+        assert a["skipped"] == b["skipped"] and a["lr"] == b["lr"]
+        _same(a["params"], b["params"])
+        _same(a["ema"], b["ema"])
+
+
 def test_errors():
     with pytest.raises(ValueError, match="clip_mode must be one of"):
         NativeScaler("cpu")(torch.zeros((), requires_grad=True), None, clip_grad=1.0, clip_mode="max")
@@ -188,12 +217,23 @@ def test_errors():
         hold_on_skip(NativeScaler("cpu"), lr_scheduler=object())
 
 
-def test_hold_on_skip_twice_wraps_once():
-    model = _model()
-    ema = ModelEmaV3(model)
-    scaler = NativeScaler("cpu")
-    hold_on_skip(scaler, model_ema=ema)
-    first = ema.update
-    hold_on_skip(scaler, model_ema=ema)
-    assert ema.update is first
+def test_holding_leaves_the_state_dicts_alone_and_twice_subclasses_once():
+    model, optimizer, scheduler, ema, scaler = _setup(_ampx, torch.float16, STEPS, hold=False)
+    before = set(scheduler.state_dict())
+    hold_on_skip(scaler, scheduler, ema)
+    held = type(scheduler)
+    hold_on_skip(NativeScaler("cpu"), scheduler, ema)
+    assert type(scheduler) is held and held.__mro__[1].__name__ == held.__name__
+    assert isinstance(ema, ModelEmaV3) and type(ema).__mro__[1] is ModelEmaV3
+    assert set(scheduler.state_dict()) == before  # nothing of ampx's goes into a checkpoint
+    torch.save(scheduler.state_dict(), io.BytesIO())
 
+
+def test_a_norm_over_the_optimizers_parameters_is_one_fused_pass(monkeypatch):
+    calls = []
+    torch_clip = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: calls.append(1) or torch_clip(*a, **k))
+    _, scaler = _train(_ampx, "norm", steps=2)
+    assert calls == [] and scaler.stats()["last_norm"] > 0
+    _train(_ampx, "norm", steps=2, exclude_head=True)
+    assert calls == [1, 1]

@@ -16,6 +16,7 @@ torchtune's cosine schedule with warm-up stepped after every step), with:
   skip, while the stock loop moves the LR there;
 - gradient accumulation over two micro-batches; ``state_dict`` round trip; the errors.
 """
+import io
 import os
 import sys
 
@@ -241,12 +242,17 @@ def test_state_dict_round_trip():
     assert fresh.skipped_steps == 1 and fresh.scaler.get_scale() == prec.scaler.get_scale()
 
 
-def test_hold_twice_wraps_once():
+def test_hold_leaves_the_schedulers_state_dict_alone():
     model = _model()
     prec = RecipePrecision(model, torch.optim.AdamW(model.parameters()))
     sched = get_cosine_schedule_with_warmup(prec.optimizer, num_warmup_steps=1, num_training_steps=4)
-    first = prec.hold(sched).step
-    assert prec.hold(sched).step is first
+    before = set(sched.state_dict())
+    prec.hold(sched)
+    held = type(sched)
+    prec.hold(sched)
+    assert type(sched) is held and isinstance(sched, torch.optim.lr_scheduler.LambdaLR)
+    assert set(sched.state_dict()) == before
+    torch.save(sched.state_dict(), io.BytesIO())
 
 
 def test_errors():

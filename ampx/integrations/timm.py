@@ -19,11 +19,10 @@ Two changes to timm's ``train.py`` (or any loop written like it):
 - ``NativeScaler(dtype=torch.bfloat16)`` (timm uses no scaler for bf16) is a static scale of 1:
   nothing is scaled, but steps whose gradients hold inf/NaN are still skipped and named.
 """
-from types import MethodType
-
 import torch
 
 from . import require
+from ._hold import hold_method
 from ..scaler import GradScaler, resolve_optimizer
 
 require("timm", "timm")
@@ -141,7 +140,8 @@ def hold_on_skip(loss_scaler, lr_scheduler=None, model_ema=None):
     ``lr_scheduler.step_update(num_updates, ...)`` and ``model_ema.update(model, step=...)``
     then do nothing right after a skipped update, and otherwise receive the update count less
     the updates skipped so far. Epoch-based schedules (``lr_scheduler.step(epoch)``) are left
-    as they are. Either may be None; calling it again on the same object changes nothing.
+    as they are. Either may be None; holding an object again makes it follow the new
+    ``loss_scaler`` (as after a resume). Their state_dicts are left as they were.
 
     Raises:
         TypeError: ``loss_scaler`` is not this module's ``NativeScaler``, or ``lr_scheduler`` /
@@ -158,16 +158,11 @@ def hold_on_skip(loss_scaler, lr_scheduler=None, model_ema=None):
 
 
 def _hold(obj, method, count_arg, loss_scaler):
-    """Replaces ``obj.<method>`` (on the instance) by one that skips the call after a skipped
-    update and takes the skipped updates off its ``count_arg`` argument."""
-    original = getattr(obj, method, None)
-    if original is None:
-        raise TypeError(f"hold_on_skip: {type(obj).__name__} has no {method}() to hold")
-    if getattr(original, "_ampx_held", False):
-        return
+    """``obj.<method>`` does nothing right after a skipped update and otherwise gets its
+    ``count_arg`` argument less the updates skipped so far."""
     position = 0 if method == "step_update" else 1  # step_update(num_updates), update(model, step)
 
-    def held(self, *args, **kwargs):
+    def rule(original, *args, **kwargs):
         if loss_scaler.last_step_skipped:
             return None
         args = list(args)
@@ -177,8 +172,10 @@ def _hold(obj, method, count_arg, loss_scaler):
             args[position] = _less(args[position], loss_scaler.skipped_updates)
         return original(*args, **kwargs)
 
-    held._ampx_held = True
-    setattr(obj, method, MethodType(held, obj))
+    try:
+        hold_method(obj, method, rule)
+    except TypeError as exc:
+        raise TypeError(f"hold_on_skip: {exc}") from None
 
 
 def _less(count, skipped):

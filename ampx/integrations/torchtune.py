@@ -19,11 +19,11 @@ and ``float16`` is refused. ``RecipePrecision`` is what a recipe adds to get, in
 The recipe's lines that change are in the README ("torchtune").
 """
 import contextlib
-from types import MethodType
 
 import torch
 
 from . import require
+from ._hold import hold_method
 from ..master import MasterWeights
 from ..scaler import GradScaler
 
@@ -113,26 +113,19 @@ class RecipePrecision:
 
     def hold(self, lr_scheduler):
         """Makes ``lr_scheduler.step()`` do nothing right after a skipped ``step``; returns the
-        scheduler. Calling it again on the same scheduler changes nothing.
+        scheduler (its state_dict is left as it was). Holding it again makes it follow this
+        ``RecipePrecision`` (as after a resume).
 
         Raises:
             TypeError: ``lr_scheduler`` has no ``step()``.
         """
-        original = getattr(lr_scheduler, "step", None)
-        if not callable(original):
-            raise TypeError(f"{_NAME}.hold: {type(lr_scheduler).__name__} has no step() to hold")
-        if getattr(original, "_ampx_held", False):
-            return lr_scheduler
-        owner = self
+        def rule(original, *args, **kwargs):
+            return None if self.last_step_skipped else original(*args, **kwargs)
 
-        def step(self, *args, **kwargs):
-            if owner.last_step_skipped:
-                return None
-            return original(*args, **kwargs)
-
-        step._ampx_held = True
-        lr_scheduler.step = MethodType(step, lr_scheduler)
-        return lr_scheduler
+        try:
+            return hold_method(lr_scheduler, "step", rule)
+        except TypeError as exc:
+            raise TypeError(f"{_NAME}.hold: {exc}") from None
 
     def overflow_report(self):
         """The ``OverflowReport`` of the last skipped step (names the parameters), or None."""
