@@ -23,9 +23,27 @@ def test_the_table_is_there():
     assert len(ROWS) >= 30
 
 
+def integration(name):
+    """``ampx.integrations.<name>`` for a row's call; the row is skipped where its framework
+    cannot be imported."""
+    import importlib
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from _frameworks import import_timm
+
+    try:
+        if name == "timm":
+            import_timm()
+        return importlib.import_module(f"ampx.integrations.{name}")
+    except (ImportError, RuntimeError) as exc:  # (RuntimeError: a torchvision without its ops)
+        pytest.skip(f"ampx.integrations.{name} cannot be imported here: {exc}")
+
+
 @pytest.mark.parametrize("row", ROWS, ids=[r["call"][:60] for r in ROWS])
 def test_each_row_holds(row):
-    names = {"torch": torch, "ampx": ampx, "ops": ops, "math": math}
+    names = {"torch": torch, "ampx": ampx, "ops": ops, "math": math, "integration": integration}
     for _ in range(2):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ampx.PerformanceWarning)

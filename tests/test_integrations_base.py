@@ -10,7 +10,7 @@ from ampx.integrations import require
 def test_import_ampx_imports_no_framework():
     code = ("import sys, ampx, ampx.integrations; "
             "bad = [m for m in ('accelerate', 'transformers', 'lightning', 'pytorch_lightning', "
-            "'deepspeed') if m in sys.modules]; print(bad); assert not bad, bad")
+            "'deepspeed', 'timm', 'torchtune') if m in sys.modules]; print(bad); assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -26,7 +26,9 @@ def test_present_module_is_returned():
 
 @pytest.mark.parametrize("module, missing, extra", [("accelerate", "accelerate", "accelerate"),
                                                     ("transformers", "transformers", "transformers"),
-                                                    ("transformers", "accelerate", "transformers")])
+                                                    ("transformers", "accelerate", "transformers"),
+                                                    ("timm", "timm", "timm"),
+                                                    ("torchtune", "torchtune", "torchtune")])
 def test_an_integration_without_its_framework_names_the_extra(module, missing, extra):
     code = (f"import sys; sys.modules[{missing!r}] = None\n"
             f"try:\n    import ampx.integrations.{module}\nexcept ImportError as e:\n    print(e)\n"
