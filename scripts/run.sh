@@ -9,7 +9,8 @@
 # pulls a multi-gigabyte CUDA build) and what the job needs (demo: matplotlib and
 # tqdm; test: also pytest, hypothesis, numpy, DeepSpeed, Accelerate, Transformers and Lightning;
 # bench: numpy), builds
-# ampx in place (editable), and runs the job. Extra arguments go to the job.
+# ampx in place (editable) when its sources or build settings changed since the last build, and
+# runs the job. Extra arguments go to the job.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -45,9 +46,18 @@ if ! "$V/python" -c "$probe" 2>/dev/null; then
   pip_q --upgrade pip
   DS_BUILD_OPS=0 pip_q "${base[@]}" "${need[@]}"
 fi
-# Rebuild every time: cheap, and never a stale extension.
-"$V/python" -m pip install -q --no-build-isolation --no-deps -e . >/dev/null
-echo "run.sh: set-up and build done in ${SECONDS}s" >&2
+# Build in place only when an input of the build changed since the last finished one (with nvcc
+# present a build takes minutes: it compiles the CUDA fatbin). scripts/build_stamp.py says what
+# counts and prints why it rebuilds; AMPX_REBUILD=1 builds regardless. The stamp is removed before
+# the build and written after it, so an interrupted build is redone next time.
+if [ "${AMPX_REBUILD:-0}" != 1 ] && "$V/python" scripts/build_stamp.py check; then
+  echo "run.sh: build up to date (set-up took ${SECONDS}s)" >&2
+else
+  "$V/python" scripts/build_stamp.py clear
+  "$V/python" -m pip install -q --no-build-isolation --no-deps -e . >/dev/null
+  "$V/python" scripts/build_stamp.py write
+  echo "run.sh: set-up and build done in ${SECONDS}s" >&2
+fi
 
 case "$job" in
   demo)  exec "$V/python" -m ampx demo "$@" ;;
