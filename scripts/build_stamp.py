@@ -26,7 +26,7 @@ from importlib import metadata
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAMP = os.path.join("ampx", ".build-stamp.json")
-SOURCE_DIRS = ("csrc", "cuda", "_build")
+SOURCE_DIRS = ("csrc", "cuda", "build_backend")
 SOURCE_FILES = ("setup.py", "pyproject.toml")
 # Every variable setup.py (or the compiler setuptools calls) reads.
 ENV_VARS = ("AMPX_CUDA", "AMPX_DEBUG", "AMPX_SANITIZE", "AMPX_NVCC", "AMPX_NVCC_FLAGS", "AMPX_PTXAS",

@@ -3,20 +3,14 @@ finished build whose inputs, settings and artifacts are all unchanged, and names
 import importlib.util
 import os
 import pathlib
-import stat
 
 import pytest
+from _fake_cuda_tools import fake_cuda_tool
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("build_stamp", ROOT / "scripts" / "build_stamp.py")
 build_stamp = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(build_stamp)
-
-
-def fake_nvcc(path, release):
-    path.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, V{release}.1'\n")
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    return str(path)
 
 
 @pytest.fixture
@@ -26,7 +20,7 @@ def tree(tmp_path, monkeypatch):
                       "pyproject.toml": "# p", "ampx/_C.abi3.so": "ELF", "ampx/_kernels.fatbin": "FAT"}.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
-    env = {"PATH": os.environ.get("PATH", ""), "AMPX_NVCC": fake_nvcc(tmp_path / "nvcc", "12.9")}
+    env = {"PATH": os.environ.get("PATH", ""), "AMPX_NVCC": fake_cuda_tool(tmp_path / "nvcc", "12.9")}
     monkeypatch.setattr(build_stamp, "editable_install", lambda root: os.path.realpath(root))
     build_stamp.write_stamp(str(tmp_path), env)
     return tmp_path, env
@@ -62,7 +56,7 @@ def test_a_build_setting_rebuilds(tree):
 
 
 def test_another_nvcc_release_rebuilds(tree):
-    fake_nvcc(tree[0] / "nvcc", "13.0")
+    fake_cuda_tool(tree[0] / "nvcc", "13.0")
     assert reasons(tree) == [f"tool {tree[0] / 'nvcc'} changed"]
 
 
