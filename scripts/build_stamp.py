@@ -1,9 +1,9 @@
 """The build stamp of scripts/run.sh: build ampx in place only when something it is built from changed.
 
-    python scripts/build_stamp.py check   exit 0 if the last finished build still stands, else print
-                                          why not (one line per reason) and exit 1
-    python scripts/build_stamp.py clear   forget the last build (run before a build starts)
-    python scripts/build_stamp.py write   record the build that just finished
+    python scripts/build_stamp.py check    exit 0 if the last finished build still stands, else print
+                                           why not (one line per reason) and exit 1
+    python scripts/build_stamp.py begin    before a build: forget the last one, note the inputs now
+    python scripts/build_stamp.py finish   after it: record it, with the artifacts it left
 
 Run it with the Python the build is for (.venv/bin/python): it reads that interpreter's
 site-packages for the CUDA 12 ptxas and the editable install.
@@ -11,9 +11,10 @@ site-packages for the CUDA 12 ptxas and the editable install.
 The stamp (ampx/.build-stamp.json, beside the extension and the fatbin) holds a hash of every
 input of the build (each file under csrc/ and cuda/, setup.py, pyproject.toml, the in-tree build
 backend), the build settings (the AMPX_* and compiler variables, which nvcc, ptxas and C compiler
-and their versions, the Python), and a hash of each artifact the build left. It is removed before
-a build and written only after one finished, so a half-finished or interrupted build, an artifact
-changed or deleted since, or an editable install that is gone never passes for a fresh build.
+and their versions, the Python), taken before the build starts, and a hash of each artifact the
+build left. It is removed before a build and written only after one finished, so a half-finished
+or interrupted build, a source edited while it ran, an artifact changed or deleted since, or an
+editable install that is gone never passes for a fresh build.
 """
 import hashlib
 import json
@@ -140,12 +141,28 @@ def reasons_to_build(root, env):
     return why
 
 
-def write_stamp(root, env):
-    """Records the build that just finished in `root` (atomically: a torn stamp never stands)."""
+def begin_build(root, env):
+    """Forgets the last build and notes the inputs of the one about to start: hashed now, before
+    it reads them, so a source edited while it runs makes the next check rebuild."""
     path = os.path.join(root, STAMP)
-    stamp = {"inputs": build_inputs(root, env), "artifacts": artifacts(root)}
+    if os.path.exists(path):
+        os.unlink(path)
+    _write_json(path + ".pending", build_inputs(root, env))
+
+
+def finish_build(root):
+    """Records the build begun by begin_build as finished, with the artifacts it left."""
+    path = os.path.join(root, STAMP)
+    with open(path + ".pending") as f:
+        inputs = json.load(f)
+    _write_json(path, {"inputs": inputs, "artifacts": artifacts(root)})
+    os.unlink(path + ".pending")
+
+
+def _write_json(path, obj):
+    """Atomically: a torn file never stands."""
     with open(path + ".tmp", "w") as f:
-        json.dump(stamp, f, indent=1, sort_keys=True)
+        json.dump(obj, f, indent=1, sort_keys=True)
     os.replace(path + ".tmp", path)
 
 
@@ -158,14 +175,13 @@ def main(argv):
         if len(why) > 8:
             print(f"run.sh: rebuilding: ... and {len(why) - 8} more", file=sys.stderr)
         return 1 if why else 0
-    if cmd == "clear":
-        if os.path.exists(os.path.join(ROOT, STAMP)):
-            os.unlink(os.path.join(ROOT, STAMP))
+    if cmd == "begin":
+        begin_build(ROOT, os.environ)
         return 0
-    if cmd == "write":
-        write_stamp(ROOT, os.environ)
+    if cmd == "finish":
+        finish_build(ROOT)
         return 0
-    print("usage: python scripts/build_stamp.py {check|clear|write}", file=sys.stderr)
+    print("usage: python scripts/build_stamp.py {check|begin|finish}", file=sys.stderr)
     return 2
 
 

@@ -22,7 +22,8 @@ def tree(tmp_path, monkeypatch):
         (tmp_path / rel).write_text(text)
     env = {"PATH": os.environ.get("PATH", ""), "AMPX_NVCC": fake_cuda_tool(tmp_path / "nvcc", "12.9")}
     monkeypatch.setattr(build_stamp, "editable_install", lambda root: os.path.realpath(root))
-    build_stamp.write_stamp(str(tmp_path), env)
+    build_stamp.begin_build(str(tmp_path), env)
+    build_stamp.finish_build(str(tmp_path))
     return tmp_path, env
 
 
@@ -81,8 +82,23 @@ def test_a_lost_editable_install_rebuilds(tree, monkeypatch):
     assert len(reasons(tree)) == 1 and "has no editable install of this tree" in reasons(tree)[0]
 
 
-def test_run_sh_clears_the_stamp_before_building_and_writes_it_after():
+def test_an_interrupted_build_rebuilds(tree):
+    root, env = tree
+    build_stamp.begin_build(str(root), env)  # ... and the build never finishes
+    assert build_stamp.reasons_to_build(str(root), env) == ["no finished build recorded"]
+
+
+def test_a_source_edited_during_the_build_rebuilds(tree):
+    root, env = tree
+    build_stamp.begin_build(str(root), env)
+    (root / "setup.py").write_text("# edited while the compiler ran")
+    build_stamp.finish_build(str(root))
+    assert build_stamp.reasons_to_build(str(root), env) == ["file setup.py changed"]
+
+
+def test_run_sh_begins_the_stamp_before_building_and_finishes_it_after():
     """The order that keeps an interrupted build from passing for a finished one."""
     text = (ROOT / "scripts" / "run.sh").read_text()
-    clear, build, write = (text.index(s) for s in ("build_stamp.py clear", "pip install -q --no-build-isolation", "build_stamp.py write"))
-    assert clear < build < write
+    steps = ("build_stamp.py begin", "pip install -q --no-build-isolation", "build_stamp.py finish")
+    begin, build, finish = (text.index(s) for s in steps)
+    assert begin < build < finish
