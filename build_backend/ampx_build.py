@@ -14,13 +14,19 @@ pyproject.toml names this module (backend-path = ["build_backend"]), so every so
   is none), so the line also goes to the controlling terminal, /dev/tty, when there is one: an
   interactive `pip install .` shows it; a log without -v cannot.
 
+- An editable install also gets ampx_shadow_guard.py (with a .pth that runs it at start-up): it
+  explains the case where the checkout folder shadows the editable install (that file says how).
+
 setup.py imports the toolkit look-ups below, so the backend and the build decide alike.
 """
+import base64
+import hashlib
 import os
 import re
 import shutil
 import subprocess
 import sys
+import zipfile
 
 from setuptools import build_meta as _setuptools
 from setuptools.build_meta import (  # noqa: F401  (the hooks ampx does not change)
@@ -30,6 +36,10 @@ from setuptools.build_meta import (  # noqa: F401  (the hooks ampx does not chan
     prepare_metadata_for_build_wheel,
 )
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+# The top-level module name the shadow guard is installed under (setuptools' own editable files
+# are named __editable___<dist>_<version>_finder, so this one cannot clash with a real module).
+GUARD_MODULE = "__editable___ampx_shadow_guard"
 # The CUDA 12 ptxas (it ships no nvcc): 12.9 builds SASS for every target ampx has (sm_120 too).
 CUDA12_PTXAS_REQUIREMENT = 'nvidia-cuda-nvcc-cu12==12.9.*; platform_system == "Linux"'
 # The oldest driver branch that loads kernels of each CUDA major release (SASS and PTX 8.x/9.x).
@@ -150,4 +160,31 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
 
 def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
     _warn_if_cuda13_only()
-    return _setuptools.build_editable(wheel_directory, config_settings, metadata_directory)
+    name = _setuptools.build_editable(wheel_directory, config_settings, metadata_directory)
+    with open(os.path.join(HERE, "ampx_shadow_guard.py"), "rb") as f:
+        guard = f.read()
+    add_to_wheel(os.path.join(wheel_directory, name),
+                 {GUARD_MODULE + ".py": guard, GUARD_MODULE + ".pth": f"import {GUARD_MODULE}; {GUARD_MODULE}.install()\n".encode()})
+    return name
+
+
+def record_row(name, data):
+    """The RECORD line of a wheel file (PEP 376/427: urlsafe base64 sha256 without padding, size)."""
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"{name},sha256={digest},{len(data)}"
+
+
+def add_to_wheel(path, files):
+    """Adds {name: bytes} to the wheel at `path` and to its RECORD (rewriting it in place)."""
+    tmp = path + ".tmp"
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as dst:
+        record = next(n for n in src.namelist() if n.endswith(".dist-info/RECORD"))
+        for item in src.infolist():
+            if item.filename != record:
+                dst.writestr(item, src.read(item))
+        rows = [r for r in src.read(record).decode().splitlines() if r and not r.startswith(record + ",")]
+        for name, data in files.items():
+            dst.writestr(name, data)
+            rows.append(record_row(name, data))
+        dst.writestr(record, "\n".join(rows + [record + ",,"]) + "\n")
+    os.replace(tmp, path)

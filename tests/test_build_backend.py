@@ -97,3 +97,35 @@ def test_pyproject_and_sdist_use_the_backend():
 def test_setup_py_decides_with_the_same_look_ups():
     text = (ROOT / "setup.py").read_text()
     assert "from ampx_build import" in text and "def find_nvcc" not in text
+
+
+def test_add_to_wheel_lists_the_files_in_record(tmp_path):
+    import zipfile
+
+    wheel = tmp_path / "x-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("x/__init__.py", "")
+        z.writestr("x-1.0.dist-info/RECORD", ampx_build.record_row("x/__init__.py", b"") + "\nx-1.0.dist-info/RECORD,,\n")
+    ampx_build.add_to_wheel(str(wheel), {"g.py": b"print(1)\n", "g.pth": b"import g\n"})
+    with zipfile.ZipFile(wheel) as z:
+        rows = z.read("x-1.0.dist-info/RECORD").decode().splitlines()
+        assert sorted(z.namelist()) == ["g.pth", "g.py", "x-1.0.dist-info/RECORD", "x/__init__.py"]
+        assert z.read("g.pth") == b"import g\n"
+    assert rows[-1] == "x-1.0.dist-info/RECORD,," and len(rows) == 4
+    assert ampx_build.record_row("g.py", b"print(1)\n") in rows
+
+
+def test_editable_wheels_carry_the_shadow_guard(tmp_path, monkeypatch):
+    import zipfile
+
+    def fake_build(wheel_directory, *a):
+        with zipfile.ZipFile(pathlib.Path(wheel_directory) / "ampx-0.1.0-0.editable-py3-none-any.whl", "w") as z:
+            z.writestr("ampx-0.1.0.dist-info/RECORD", "ampx-0.1.0.dist-info/RECORD,,\n")
+        return "ampx-0.1.0-0.editable-py3-none-any.whl"
+
+    monkeypatch.setattr(ampx_build._setuptools, "build_editable", fake_build)
+    monkeypatch.setattr(ampx_build, "cuda13_only_warning", lambda: None)
+    name = ampx_build.build_editable(str(tmp_path))
+    with zipfile.ZipFile(tmp_path / name) as z:
+        assert z.read(ampx_build.GUARD_MODULE + ".pth").decode() == f"import {ampx_build.GUARD_MODULE}; {ampx_build.GUARD_MODULE}.install()\n"
+        assert z.read(ampx_build.GUARD_MODULE + ".py") == (ROOT / "build_backend" / "ampx_shadow_guard.py").read_bytes()
