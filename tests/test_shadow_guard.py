@@ -15,8 +15,11 @@ SCRIPT = (f"import sys; sys.path.append({str(BACKEND)!r}); import ampx_shadow_gu
 
 
 def run_from(cwd):
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # only what a user's Python sees
-    return subprocess.run([sys.executable, "-c", SCRIPT], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    # -S and no PYTHONPATH: no installed ampx on the path, as with an editable install (whose
+    # finder runs after the path search); a regular install would rightly win over the folder.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-S", "-c", SCRIPT], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=60)
 
 
 def test_a_checkout_folder_named_ampx_is_explained(tmp_path):
