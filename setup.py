@@ -14,8 +14,9 @@ sm_80, 86, 89, 90, 100 and 120, PTX for compute_80), shipped inside the package
 with ampx/_kernels.json (the toolkit that built it, so ampx can say which driver
 it needs). The CUDA release decides the drivers served: SASS from CUDA 12.x loads
 on every R525+ driver, from CUDA 13 only on R580+. So a CUDA 12 ptxas is
-preferred: $AMPX_PTXAS, else the one of the nvidia-cuda-nvcc-cu12 package (pip
-install nvidia-cuda-nvcc-cu12; it ships ptxas but no nvcc). With it, nvcc (any
+preferred: $AMPX_PTXAS, else the one of the nvidia-cuda-nvcc-cu12 package (it
+ships ptxas but no nvcc; ampx's build backend, build_backend/ampx_build.py, asks pip for it
+whenever nvcc is found, so a source install with build isolation has it). With it, nvcc (any
 release) writes PTX for compute_80, that PTX is stamped with CUDA 12.0's ISA
 version, 8.0 (so every R525+ driver can JIT it; a PTX instruction that ISA lacks
 then fails the build, never the run), ptxas compiles each SASS target and fatbinary packs the lot.
@@ -52,6 +53,10 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The toolkit look-ups are shared with the PEP 517 backend, so that what it asks pip for (the CUDA
+# 12 ptxas) and what this build then uses are decided alike.
+sys.path.insert(0, os.path.join(HERE, "build_backend"))
+from ampx_build import DRIVER_FOR_CUDA, cuda_mode, find_nvcc, find_ptxas12, is_cuda12_builder, tool_release  # noqa: E402
 CSRC = "csrc"
 
 # Files compiled with extra instruction-set flags (x86-64 only).
@@ -97,56 +102,15 @@ def c_flags():
     return flags
 
 
-def find_nvcc():
-    """nvcc from $AMPX_NVCC, $CUDA_HOME, /usr/local/cuda, then PATH; None if there is none."""
-    candidates = [os.environ["AMPX_NVCC"]] if os.environ.get("AMPX_NVCC") else []
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            candidates.append(os.path.join(os.environ[var], "bin", "nvcc"))
-    candidates.append("/usr/local/cuda/bin/nvcc")
-    for c in candidates:
-        if os.path.isfile(c) and os.access(c, os.X_OK):
-            return c
-    return shutil.which("nvcc")
-
-
 def cuda_wanted():
     """(build the fatbin?, required?, nvcc path); exits when AMPX_CUDA=1 and there is no nvcc."""
-    mode = os.environ.get("AMPX_CUDA", "").strip().lower()
-    if mode in ("0", "no", "off", "false"):
+    mode = cuda_mode()
+    if mode == "off":
         return False, False, None
     nvcc = find_nvcc()
-    if mode in ("1", "yes", "on", "true"):
-        if nvcc is None:
-            sys.exit("AMPX_CUDA=1 but nvcc was not found ($CUDA_HOME/bin, /usr/local/cuda/bin, PATH)")
-        return True, True, nvcc
-    if mode:
-        sys.exit(f"AMPX_CUDA={mode!r}: expected 1 or 0")
-    return nvcc is not None, False, nvcc
-
-
-def tool_release(tool):
-    """(major, minor) of a CUDA tool from its --version ("release 12.9"); None if it will not say."""
-    try:
-        out = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    m = re.search(r"release (\d+)\.(\d+)", out)
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
-def find_ptxas12():
-    """A CUDA 12 ptxas able to target every arch: $AMPX_PTXAS, else nvidia-cuda-nvcc-cu12's."""
-    env = os.environ.get("AMPX_PTXAS", "").strip()
-    if env.lower() in ("0", "no", "off", "false"):
-        return None
-    if env:
-        return env
-    for base in sys.path:  # the pip package installs nvidia/cuda_nvcc/bin/ptxas
-        c = os.path.join(base or ".", "nvidia", "cuda_nvcc", "bin", "ptxas")
-        if os.path.isfile(c) and os.access(c, os.X_OK):
-            return c
-    return None
+    if mode == "on" and nvcc is None:
+        sys.exit("AMPX_CUDA=1 but nvcc was not found ($CUDA_HOME/bin, /usr/local/cuda/bin, PATH)")
+    return nvcc is not None, mode == "on", nvcc
 
 
 def nvcc_flags():
@@ -275,17 +239,19 @@ class BuildExt(build_ext):
         if nvcc_release is None:
             raise RuntimeError(f"{nvcc} --version names no CUDA release")
         # A CUDA 12.8+ nvcc does it all; any other takes a CUDA 12.8+ ptxas when there is one.
-        ptxas = find_ptxas12() if not (12, 8) <= nvcc_release < (13, 0) else None
+        ptxas = find_ptxas12() if not is_cuda12_builder(nvcc_release) else None
         ptxas_release = tool_release(ptxas) if ptxas else None
-        if ptxas_release is not None and (12, 8) <= ptxas_release < (13, 0):
+        if is_cuda12_builder(ptxas_release):
             with tempfile.TemporaryDirectory(dir=scratch_dir("cuda")) as work:
                 build_with_ptxas12(nvcc, ptxas, ptxas_release, tmp, work)
             return build_info(ptxas_release, PTX_ISA_RELEASE, CUDA_ARCHS)
         if ptxas is not None:
             print(f"ampx: WARNING: {ptxas} is not a CUDA 12.8+ ptxas; nvcc builds everything", file=sys.stderr)
         elif nvcc_release[0] > 12:
-            print(f"ampx: note: CUDA {nvcc_release[0]}.{nvcc_release[1]} kernels need a driver of that "
-                  "release; pip install nvidia-cuda-nvcc-cu12 builds kernels for every R525+ driver")
+            need = DRIVER_FOR_CUDA.get(nvcc_release[0], "of that release")
+            print(f"ampx: WARNING: CUDA {nvcc_release[0]}.{nvcc_release[1]} kernels need an NVIDIA driver {need} "
+                  "or newer; pip install 'nvidia-cuda-nvcc-cu12==12.9.*' builds kernels for every R525+ driver",
+                  file=sys.stderr)
         archs = archs_for(nvcc_release)
         run_logged(nvcc_command(nvcc, tmp, archs))
         return build_info(nvcc_release, nvcc_release, archs)

@@ -6,7 +6,8 @@ opens ``libcuda.so.1`` on first use and never links against CUDA, so the same bu
 runs on the CPU on machines without a GPU or driver. ``ampx/_kernels.json`` records the CUDA
 release that built the fatbin: built by CUDA 12 (the default when the ``nvidia-cuda-nvcc-cu12``
 package is installed), the kernels run on every R525-or-newer driver; built by CUDA 13, only on
-R580 or newer. ``unavailable_reason()`` says which driver is needed when this one is too old.
+R580 or newer. ``unavailable_reason()`` names the driver the kernels need whenever they cannot
+run.
 
 ``ampx.ops`` takes the CUDA path when the first tensor of a call is a CUDA tensor: the kernels
 run on that tensor's device (whatever the current device is), on torch's current stream of that
@@ -39,8 +40,11 @@ __all__ = ["is_available", "unavailable_reason", "fatbin_path", "device_info", "
 _FATBIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_kernels.fatbin")
 _BUILD_INFO = os.path.join(os.path.dirname(_FATBIN), "_kernels.json")  # written by setup.py
 _NOT_BUILT = ("ampx was built without its CUDA kernels (nvcc was not found when it was built, or "
-              "AMPX_CUDA=0 was set); reinstall ampx where nvcc is available (AMPX_CUDA=1 makes a "
+              "AMPX_CUDA=0 was set); reinstall ampx where nvcc is available, e.g. `pip install .` from "
+              "a source checkout, which builds kernels for every R525+ NVIDIA driver (AMPX_CUDA=1 makes a "
               "missing nvcc a build error)")
+# The oldest NVIDIA driver branch that loads the kernels (SASS and PTX) of each CUDA major release.
+_DRIVER_FOR_CUDA = {12: "R525", 13: "R580"}
 
 _lock = threading.Lock()
 _image_loaded = False
@@ -123,7 +127,26 @@ def unavailable_reason(device=None):
     if not _built():
         return _NOT_BUILT
     _load_image()
-    return _C.cuda_probe(_index(device))
+    reason = _C.cuda_probe(_index(device))
+    need = _driver_needed()
+    if reason is None or need is None or need[0] in reason:
+        return reason
+    return f"{reason} ({need[1]})"
+
+
+def _driver_needed():
+    """("R580", "ampx's kernels here were built with CUDA 13.0 and need an NVIDIA driver R580 or
+    newer") from _kernels.json, or None when the build did not record its toolkit. The branch
+    follows the CUDA major release of the SASS (any 12.x build loads on R525+, 13.x on R580+)."""
+    info = build_info()
+    sass, ptx = int(info.get("sass_toolkit") or 0), int(info.get("ptx_toolkit") or 0)
+    branch = _DRIVER_FOR_CUDA.get(sass // 1000)
+    if branch is None:
+        return None
+    made = f"CUDA {sass // 1000}.{sass % 1000 // 10}"
+    if ptx and ptx != sass:
+        made += f" (PTX ISA of CUDA {ptx // 1000}.{ptx % 1000 // 10})"
+    return branch, f"ampx's kernels here were built with {made} and need an NVIDIA driver {branch} or newer"
 
 
 def is_available(device=None):

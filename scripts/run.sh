@@ -9,7 +9,8 @@
 # pulls a multi-gigabyte CUDA build) and what the job needs (demo: matplotlib and
 # tqdm; test: also pytest, hypothesis, numpy, DeepSpeed, Accelerate, Transformers and Lightning;
 # bench: numpy), builds
-# ampx in place (editable), and runs the job. Extra arguments go to the job.
+# ampx in place (editable) when its sources or build settings changed since the last build, and
+# runs the job. Extra arguments go to the job.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,13 +42,29 @@ case "$job" in
               "nvidia-cuda-nvcc-cu12==12.9.*")
          probe="import torch, pytest, hypothesis, numpy, matplotlib, tqdm, deepspeed, accelerate, transformers, lightning, setuptools, wheel, nvidia.cuda_nvcc" ;;
 esac
+# Whatever the job, when nvcc will build the CUDA kernels the in-place build (no build isolation,
+# so build_backend/ampx_build.py cannot bring it) needs the CUDA 12 ptxas too: without it a CUDA 13
+# nvcc makes kernels that only R580+ drivers load.
+if [ "${AMPX_CUDA:-}" != 0 ] && { command -v nvcc || [ -x "${AMPX_NVCC:-}" ] || [ -x "${CUDA_HOME:-/nonexistent}/bin/nvcc" ] ||
+     [ -x /usr/local/cuda/bin/nvcc ]; } >/dev/null 2>&1 && [[ "$probe" != *nvidia.cuda_nvcc* ]]; then
+  need+=("nvidia-cuda-nvcc-cu12==12.9.*"); probe="$probe, nvidia.cuda_nvcc"
+fi
 if ! "$V/python" -c "$probe" 2>/dev/null; then
   pip_q --upgrade pip
   DS_BUILD_OPS=0 pip_q "${base[@]}" "${need[@]}"
 fi
-# Rebuild every time: cheap, and never a stale extension.
-"$V/python" -m pip install -q --no-build-isolation --no-deps -e . >/dev/null
-echo "run.sh: set-up and build done in ${SECONDS}s" >&2
+# Build in place only when an input of the build changed since the last finished one (with nvcc
+# present a build takes minutes: it compiles the CUDA fatbin). scripts/build_stamp.py says what
+# counts and prints why it rebuilds; AMPX_REBUILD=1 builds regardless. The stamp is removed before
+# the build (its inputs noted then) and written after it, so an interrupted build is redone.
+if [ "${AMPX_REBUILD:-0}" != 1 ] && "$V/python" scripts/build_stamp.py check; then
+  echo "run.sh: build up to date (set-up took ${SECONDS}s)" >&2
+else
+  "$V/python" scripts/build_stamp.py begin
+  "$V/python" -m pip install -q --no-build-isolation --no-deps -e . >/dev/null
+  "$V/python" scripts/build_stamp.py finish
+  echo "run.sh: set-up and build done in ${SECONDS}s" >&2
+fi
 
 case "$job" in
   demo)  exec "$V/python" -m ampx demo "$@" ;;
