@@ -454,7 +454,7 @@ def _everything(s):
     ("backoff_factor", -1.0, ValueError, "backoff_factor"),
     ("growth_interval", 2.5, ValueError, "growth_interval"),
     ("_growth_tracker", -1, ValueError, "_growth_tracker"),
-    ("hysteresis", "x", ValueError, "hysteresis.\] must be an integer from 1"),
+    ("hysteresis", "x", ValueError, r"hysteresis.\] must be an integer from 1"),
     ("hysteresis", 0, ValueError, "hysteresis"),
     ("hysteresis", -2, ValueError, "hysteresis"),
     ("hysteresis", 2.7, ValueError, "hysteresis"),

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from ampx import ops
-from test_tensor_shim import reader  # noqa: F401 (a fixture: each test runs with both readers)
 
 OOB = "reaches past the end of its storage"
 EMPTY = "its storage holds no bytes"
