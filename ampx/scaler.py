@@ -6,9 +6,7 @@ inf check, norm and scale update is one call of an ``ampx.ops`` kernel over all 
 device, whatever their dtypes.
 """
 import contextlib
-import inspect
 import math
-import weakref
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -19,6 +17,8 @@ from .master import MasterWeights
 from .checkpoint import CheckpointMixin
 from .sharding import LayoutRefused, agree, check_sharded_placements, combine, is_sharded_dtensor, refusals_shared
 from .telemetry import OverflowReport, TelemetryMixin, _LazySkip
+from .call_args import check_step_args, clip_args
+from .integrations._wrappers import drives_scaler_itself, fabric_stepper, resolve_optimizer
 
 __all__ = ["GradScaler", "ShardedGradScaler", "OverflowReport"]
 
@@ -340,7 +340,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         Args:
             optimizer: the optimizer whose gradients to clip (a framework's wrapper of it, as
                 Accelerate's or Lightning's, stands for the optimizer it wraps: see
-                ``resolve_optimizer``; so do the other methods that take an optimizer).
+                ``ampx.integrations._wrappers.resolve_optimizer``; so do the other methods that take an optimizer).
             max_norm: the largest allowed total norm.
             norm_type: 2, 1 or inf (others fall back to torch's clip_grad_norm_).
             error_if_nonfinite: raise RuntimeError if the norm is inf/NaN (forces a host sync;
@@ -357,7 +357,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         """
         optimizer = resolve_optimizer(optimizer, "clip_grad_norm_")
         if not (self._enabled and self._sharded):  # (sharded: inside the refusal block below)
-            max_norm, norm_type, error_if_nonfinite = _clip_args(max_norm, norm_type, error_if_nonfinite)
+            max_norm, norm_type, error_if_nonfinite = clip_args(max_norm, norm_type, error_if_nonfinite)
         if not self._enabled:
             return self._clip_without_scaling(optimizer, max_norm, norm_type, error_if_nonfinite)
         self._check_scale_growth_tracker("clip_grad_norm_")
@@ -369,7 +369,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         # Sharded, a bad argument on one rank reaches the others as this call's collective would.
         with self._refusals(optimizer, self._scale.device, _reduce_of(norm_type), clipping=True):
             if self._sharded:
-                max_norm, norm_type, error_if_nonfinite = _clip_args(max_norm, norm_type, error_if_nonfinite)
+                max_norm, norm_type, error_if_nonfinite = clip_args(max_norm, norm_type, error_if_nonfinite)
             return self._clip(optimizer, state, max_norm, norm_type, error_if_nonfinite)
 
     def _clip(self, optimizer, state, max_norm, norm_type, error_if_nonfinite):
@@ -539,7 +539,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         optimizers on the CPU see ``optimizer.found_inf`` None rather than a zero tensor when
         nothing overflowed (the same result, without a per-parameter op on the step counters).
         """
-        stepper = self._fabric_stepper(optimizer)
+        stepper = fabric_stepper(self, optimizer)
         optimizer = resolve_optimizer(optimizer, "step", "param_groups" if self._enabled else "step")
         stepper = stepper or optimizer
         if not self._enabled:
@@ -548,14 +548,14 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         if args or kwargs:
-            _check_step_args(stepper, args, kwargs)
+            check_step_args(stepper, args, kwargs)
         self._check_scale_growth_tracker("step")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            if _drives_scaler_itself(optimizer.step):
+            if drives_scaler_itself(optimizer.step):
                 # The deprecated contract: the optimizer drives the scaler itself.
                 return super().step(optimizer, *args, **kwargs)
             if state["stage"] is OptState.READY and not state["inf_checked"]:
@@ -589,21 +589,6 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         state["stage"] = OptState.STEPPED
         self.last_step_skipped = skipped
         return retval
-
-    def _fabric_stepper(self, optimizer):
-        """Lightning Fabric's optimizer wrapper when step() is given one, else None. Its per-step
-        state is the inner optimizer's (resolve_optimizer), but it is stepped through the wrapper,
-        as torch's scaler does: Fabric's strategy may step something else (DeepSpeed's engine)
-        and runs its callbacks. Refused when Fabric's precision plugin drives this scaler itself:
-        the wrapper's step would call step() again."""
-        if not _is_fabric_wrapper(optimizer):
-            return None
-        precision = getattr(getattr(optimizer, "_strategy", None), "precision", None)
-        if self._enabled and getattr(precision, "scaler", None) is self:
-            raise RuntimeError(
-                "ampx.GradScaler.step: Lightning Fabric's precision plugin already steps and updates this "
-                "scaler; call optimizer.step() (Fabric's optimizer) instead of scaler.step(optimizer)")
-        return optimizer
 
     def update(self, new_scale=None):
         """Updates the scale after all optimizers stepped (torch's rule, plus the extras).
@@ -702,88 +687,6 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _check_step_args(stepper, args, kwargs):
-    """Refuses, before any gradient is unscaled, arguments the optimizer's step cannot take
-    (otherwise they would fail only after the unscale and the inf check were recorded)."""
-    try:
-        sig = inspect.signature(stepper.step)
-    except (TypeError, ValueError):  # no signature to read: the step itself will say
-        return
-    try:
-        sig.bind(*args, **kwargs)
-    except TypeError as e:
-        raise TypeError(f"ampx.GradScaler.step: {type(stepper).__name__}.step() {e} (nothing was unscaled or "
-                        "stepped)") from None
-
-
-def _clip_args(max_norm, norm_type, error_if_nonfinite):
-    """clip_grad_norm_'s arguments as (float, float, bool), checked before anything is touched.
-    Numbers and 1-element tensors are taken, as torch's clip takes them."""
-    op = "ampx.GradScaler.clip_grad_norm_"
-
-    def number(name, x):
-        bad = isinstance(x, torch.Tensor) and (x.numel() != 1 or x.layout != torch.strided or x.device.type == "meta")
-        try:
-            if bad:
-                raise ValueError  # (as float() of a several-element tensor)
-            if isinstance(x, bool):
-                raise TypeError
-            return float(x)
-        except (TypeError, ValueError, RuntimeError) as e:  # what float() raises, naming the argument
-            kind = ValueError if isinstance(e, ValueError) else TypeError
-            raise kind(f"{op}: {name} must be a real number or a one-element tensor, not {x!r:.60} (nothing was "
-                       "unscaled or clipped)") from None
-
-    max_norm, norm_type = number("max_norm", max_norm), number("norm_type", norm_type)
-    if not max_norm >= 0.0:
-        raise ValueError(f"{op}: max_norm must be a number >= 0 (inf for no clipping), not {max_norm!r}: a NaN or "
-                         "negative one would write NaN or sign-flipped gradients (nothing was unscaled or clipped)")
-    if math.isnan(norm_type):
-        raise ValueError(f"{op}: norm_type must be a number (2, 1, inf or another p), not nan")
-    if isinstance(error_if_nonfinite, torch.Tensor) and error_if_nonfinite.numel() != 1:
-        raise TypeError(f"{op}: error_if_nonfinite must be True or False, not a tensor of shape "
-                        f"{tuple(error_if_nonfinite.shape)}")
-    try:
-        return max_norm, norm_type, bool(error_if_nonfinite)
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise TypeError(f"{op}: error_if_nonfinite must be True or False ({e})") from None
-
-
-def resolve_optimizer(optimizer, method, needs="param_groups"):
-    """The optimizer whose gradients and per-step state ``method`` works on.
-
-    A framework's optimizer wrapper is followed through its ``.optimizer`` to the optimizer it
-    wraps, so the scaler keys one per-step state whichever object the caller holds (the wrapper
-    for clipping, the inner optimizer in the framework's own step): nothing is unscaled twice.
-    Followed: an object that is not a ``torch.optim.Optimizer`` but whose ``.optimizer`` is one
-    (Lightning's ``LightningOptimizer`` and the like), Accelerate's ``AcceleratedOptimizer`` and
-    Lightning Fabric's ``_FabricOptimizer`` (Optimizer subclasses wrapping the optimizer whose
-    gradients count; recognised by name, so neither framework is ever imported; ``step`` still
-    steps Fabric's through the wrapper: ``GradScaler._fabric_stepper``). Never followed: any
-    other Optimizer subclass, whose own ``step`` may do work (``ampx.MasterWeights``,
-    Lookahead-style wrappers).
-
-    Raises TypeError naming ``method`` when the object is no optimizer at all (it lacks
-    ``needs``: ``param_groups``, or for a disabled scaler's step only ``step``) and wraps none.
-    """
-    opt = optimizer
-    for _ in range(16):  # a wrapper of a wrapper ...; a cycle ends here
-        if isinstance(opt, torch.optim.Optimizer) and not _is_delegating_wrapper(opt):
-            break
-        inner = getattr(opt, "optimizer", None)
-        if inner is None or inner is opt:
-            break
-        opt = inner
-    if not isinstance(opt, torch.optim.Optimizer):
-        opt = optimizer  # the chain reaches no optimizer: not a wrapper ampx knows
-    if not hasattr(opt, needs):
-        raise TypeError(
-            f"ampx.GradScaler.{method}: the optimizer argument must be a torch.optim.Optimizer, or a "
-            f"wrapper whose .optimizer is one (as Accelerate's and Lightning's are), not "
-            f"{type(optimizer).__name__}")
-    return opt
-
-
 def _takes_no_found_inf(optimizer):
     """Whether a torch.optim fused optimizer (whose step treats found_inf=None as clear)."""
     return type(optimizer).__module__.startswith("torch.optim.") and bool(optimizer.defaults.get("fused"))
@@ -876,50 +779,6 @@ def _split(optimizer):
     if getattr(optimizer, "_step_supports_amp_scaling", False):
         return ops.SPLIT_FUSED
     return ops.SPLIT_ELEMENTWISE
-
-
-_DRIVES_SCALER = weakref.WeakKeyDictionary()  # step function -> whether it takes grad_scaler=
-
-
-@torch.compiler.disable  # dynamo cannot trace the weak dictionary ("weak object has gone away")
-def _drives_scaler_itself(step):
-    """Whether an optimizer's ``step`` takes ``grad_scaler=`` (torch's deprecated contract).
-    Cached per function: inspect.signature costs about 65 us, a tenth of a small model's step."""
-    fn = getattr(step, "__func__", step)
-    try:
-        return _DRIVES_SCALER[fn]
-    except (KeyError, TypeError):
-        pass
-    import inspect
-
-    found = "grad_scaler" in inspect.signature(step).parameters
-    try:
-        _DRIVES_SCALER[fn] = found
-    except TypeError:  # not weak-referenceable: ask every time
-        pass
-    return found
-
-
-# Optimizer subclasses that wrap the optimizer whose gradients and per-step state count:
-# Accelerate's AcceleratedOptimizer (only delegates) and Lightning Fabric's _FabricOptimizer (a
-# class made at run time from the wrapper and the wrapped optimizer's class, so
-# isinstance(Optimizer) holds; its step goes through Fabric's strategy and callbacks, so
-# step() calls it rather than the inner one: GradScaler._fabric_stepper).
-_FABRIC = ("_FabricOptimizer", ("lightning.fabric.", "lightning_fabric."))
-_DELEGATING = (("AcceleratedOptimizer", ("accelerate.",)), _FABRIC)
-
-
-def _has_class(opt, name, modules):
-    """Whether a class named `name` from a module starting with one of `modules` is in opt's MRO."""
-    return any(c.__name__ == name and c.__module__.startswith(modules) for c in type(opt).__mro__)
-
-
-def _is_delegating_wrapper(opt):
-    return any(_has_class(opt, *wrapper) for wrapper in _DELEGATING)
-
-
-def _is_fabric_wrapper(opt):
-    return _has_class(opt, *_FABRIC)
 
 
 def _by_device(params, grads, devices):

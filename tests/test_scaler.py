@@ -727,4 +727,4 @@ def test_optimizer_taking_grad_scaler_is_handed_the_scaler_every_step():
             scaler.step(opt)
         scaler.update()
     assert opt.seen == [scaler] * 3
-    assert ampx.scaler._drives_scaler_itself(torch.optim.SGD([p]).step) is False
+    assert ampx.integrations._wrappers.drives_scaler_itself(torch.optim.SGD([p]).step) is False

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ampx
-from ampx.scaler import resolve_optimizer
+from ampx.integrations._wrappers import resolve_optimizer
 
 
 class Wrapper:

@@ -38,7 +38,8 @@ import torch
 from . import require
 from .. import _C
 from ..grad_buffer import GradBuffer, _refuse_bucket_views
-from ..scaler import GradScaler, resolve_optimizer
+from ..scaler import GradScaler
+from ._wrappers import resolve_optimizer
 
 require("accelerate", "accelerate")
 from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step  # noqa: E402

@@ -23,7 +23,8 @@ import torch
 
 from . import require
 from ._hold import hold_method
-from ..scaler import GradScaler, resolve_optimizer
+from ..scaler import GradScaler
+from ._wrappers import resolve_optimizer
 
 require("timm", "timm")
 from timm.utils.agc import adaptive_clip_grad  # noqa: E402
