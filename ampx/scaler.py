@@ -258,7 +258,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             _or_found(state, {device: torch.ones((), dtype=torch.float32, device=device)})
             state["inf_checked"] = True
             state["stage"] = OptState.UNSCALED
-            state["clipped"] = state["clipped"] or clipping
+            state["clipped"] = state.get("clipped", False) or clipping
 
         return refusals_shared(self.process_group, device, reduce, need_found, settle)
 
@@ -362,7 +362,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             return self._clip_without_scaling(optimizer, max_norm, norm_type, error_if_nonfinite)
         self._check_scale_growth_tracker("clip_grad_norm_")
         state = self._per_optimizer_states[id(optimizer)]
-        if state["clipped"]:
+        if state.get("clipped"):
             raise RuntimeError("clip_grad_norm_() has already been called on this optimizer since the last update().")
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("clip_grad_norm_() is being called after step().")
@@ -526,7 +526,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         if not self._enabled:
             return
         state = self._per_optimizer_states[id(optimizer)]
-        if state["inf_checked"] and state["stage"] is OptState.READY:
+        if state.get("inf_checked") and state["stage"] is OptState.READY:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         _TorchScaler.unscale_(self, optimizer)
 
@@ -558,7 +558,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             if drives_scaler_itself(optimizer.step):
                 # The deprecated contract: the optimizer drives the scaler itself.
                 return super().step(optimizer, *args, **kwargs)
-            if state["stage"] is OptState.READY and not state["inf_checked"]:
+            if state["stage"] is OptState.READY and not state.get("inf_checked"):
                 self._check_inf_per_device(optimizer)
             found = list(state["found_inf_per_device"].values())
             found_inf = found[0] if len(found) == 1 else sum(t.to(self._scale.device) for t in found)
@@ -566,7 +566,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                 grad_scale = getattr(optimizer, "grad_scale", None)
             else:
                 grad_scale = self._scale * getattr(optimizer, "grad_scale", 1)
-                coef = state["clip_coef"]
+                coef = state.get("clip_coef")
                 if coef is not None:
                     grad_scale = grad_scale / coef
             retval, found_inf = _step_handing_scale(stepper, optimizer, grad_scale, found_inf, args, kwargs)
@@ -799,19 +799,20 @@ def _clip_coef(max_norm, total):
 
 
 def _fresh_opt_state():
-    """One optimizer's state for one step, every key declared here.
+    """One optimizer's state for one step, as torch's scaler makes it: exactly torch's two keys
+    (torch builds them in a private function, so ampx builds its own; a test compares the two,
+    and PyTorch's own pickle test compares a fresh state with torch's).
 
-    stage: torch's OptState (READY, UNSCALED, STEPPED), the first two keys exactly as torch's
-        scaler has them (torch builds them in a private function, so ampx builds its own; a test
-        compares the two where torch has one).
+    stage: torch's OptState (READY, UNSCALED, STEPPED).
     found_inf_per_device: {device: found_inf} from the pass that checked the gradients.
-    inf_checked: the gradients were checked but left scaled (stage still READY): the fused-
-        optimizer clip route, whose unscale happens inside the optimizer's own kernel.
-    clipped: clip_grad_norm_ ran this step (a second call is an error).
-    clip_coef: that route's clip coefficient, folded into the fused optimizer's grad_scale.
+
+    ampx's own keys are added when first set, so every read of them defaults:
+    inf_checked (False): the gradients were checked but left scaled (stage still READY): the
+        fused-optimizer clip route, whose unscale happens inside the optimizer's own kernel.
+    clipped (False): clip_grad_norm_ ran this step (a second call is an error).
+    clip_coef (None): that route's clip coefficient, folded into the fused optimizer's grad_scale.
     """
-    return {"stage": OptState.READY, "found_inf_per_device": {}, "inf_checked": False, "clipped": False,
-            "clip_coef": None}
+    return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
 def _fresh_states():

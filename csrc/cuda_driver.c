@@ -158,6 +158,14 @@ static void describe_release(char *out, size_t size, int version, int branch)
         snprintf(out, size, "CUDA %d.%d", version / 1000, version % 1000 / 10);
 }
 
+/* The driver the loaded fatbin needs, as "CUDA 12.0 (R525 or newer)": its SASS toolkit's major
+ * release (CUDA 12 when no image is set yet: the portable build's floor). */
+static void needed_driver(char *out, size_t size)
+{
+    int major = image_sass_toolkit > 0 ? image_sass_toolkit / 1000 : 12;
+    describe_release(out, size, major * 1000, 1);
+}
+
 /* What a failed module load means, given the fatbin's contents and toolkit and this driver:
  * for the errors a missing target or an old driver causes. */
 static void explain_load_failure(ampx_cu_error *err, ampx_cu_result rc, int ordinal, int major, int minor)
@@ -229,6 +237,7 @@ static void register_atfork(void) { pthread_atfork(NULL, NULL, after_fork_child)
 static int open_library(ampx_cu_error *e)
 {
     const char *path = getenv("AMPX_LIBCUDA"); /* a test's stand-in driver; normally unset */
+    char need[96];
     if (path == NULL || path[0] == '\0')
         path = "libcuda.so.1";
     if (lib_handle == NULL)
@@ -244,9 +253,10 @@ static int open_library(ampx_cu_error *e)
 #define LOAD(field, name)                                                                                  \
     *(void **)(&api.field) = dlsym(lib_handle, name);                                                      \
     if (api.field == NULL) {                                                                               \
+        needed_driver(need, sizeof need);                                                                  \
         set_msg(e, AMPX_CU_E_AMPX,                                                                         \
                 "the NVIDIA driver library %s has no %s: the driver is too old for ampx. To fix: update the " \
-                "NVIDIA driver (R525 or newer)", path, name);                                              \
+                "NVIDIA driver (to one for %s)", path, name, need);                                        \
         return -1;                                                                                         \
     }
     API_SYMBOLS(LOAD)

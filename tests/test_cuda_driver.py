@@ -241,3 +241,22 @@ def test_a_forked_child_starts_from_a_fresh_driver_state(fake_driver):
     assert out["child"]["stale"] == 0, out  # ...and no handle of the parent's was used
     assert "forked" in out["reason"] and "spawn" in out["reason"], out
     assert out["parent_ok"] is True and out["parent_after"] == out["parent"], out
+
+
+@pytest.mark.parametrize("toolkit, needed", [(12090, "CUDA 12.0 (R525 or newer)"), (13000, "CUDA 13.0 (R580 or newer)")])
+def test_a_driver_lacking_an_entry_point_names_the_driver_the_build_needs(tmp_path, toolkit, needed):
+    """A libcuda without one of the entry points ampx uses: the advice names the driver the
+    fatbin's toolkit needs (R580 for a CUDA 13 build), not a fixed one."""
+    cc = sysconfig.get_config_var("CC") or "cc"
+    src, lib = tmp_path / "empty.c", str(tmp_path / "libcuda.so.1")
+    src.write_text("int not_a_driver_entry_point(void) { return 0; }\n")
+    r = subprocess.run(cc.split() + ["-shared", "-fPIC", "-o", lib, str(src)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"no C compiler for the stand-in library: {r.stderr[-300:]}")
+    env = dict(os.environ, AMPX_LIBCUDA=lib, PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-c", "import ampx.cuda, ampx._C as C; "
+                        f"C.cuda_set_image((b'x', {toolkit}, {toolkit})); ampx.cuda._image_loaded = True; "
+                        "ampx.cuda._built = lambda: True; print(ampx.cuda.unavailable_reason(0))"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "too old for ampx" in r.stdout and f"update the NVIDIA driver (to one for {needed})" in r.stdout, r.stdout

@@ -1832,5 +1832,38 @@ def test_fresh_optimizer_state_matches_torchs_private_one():
         pytest.skip("this torch has no _refresh_per_optimizer_state to compare with")
     ours = scaler_mod._fresh_opt_state()
     assert {k: ours[k] for k in torchs()} == torchs()
-    assert set(ours) == set(torchs()) | {"inf_checked", "clipped", "clip_coef"}  # ampx's keys, declared
+    assert ours == torchs()  # exactly torch's two keys: ampx's own are added when first set
     assert ampx.GradScaler("cpu")._per_optimizer_states["x"] == ours
+
+
+@pytest.mark.parametrize("lazy_init_scale", [True, False])
+def test_pickled_scaler_fresh_state_is_torchs(lazy_init_scale):
+    """PyTorch's own test_pickle_gradscaler, in its shape: an unpickled scaler's fresh
+    per-optimizer state equals torch's, key for key (it failed when ampx declared three more)."""
+    import pickle
+
+    a = ampx.GradScaler("cpu", init_scale=3.0, growth_factor=4.0, backoff_factor=0.5, growth_interval=2)
+    if lazy_init_scale:
+        a.scale(torch.tensor([4.0]))
+    b = pickle.loads(pickle.dumps(a))
+    assert (b.get_scale(), b.get_growth_factor(), b.get_growth_interval()) == (3.0, 4.0, 2)
+    fresh = {"stage": torch.amp.grad_scaler.OptState.READY, "found_inf_per_device": {}}
+    assert b._per_optimizer_states["fdsa"] == fresh
+
+
+def test_ampx_keys_appear_when_used_and_go_at_update():
+    """The clip route sets ampx's keys on first use; update() starts every optimizer afresh."""
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    s = ampx.GradScaler("cpu", init_scale=2.0)
+    s.scale(torch.tensor(1.0))  # the scale is made lazily, as torch's
+    p.grad = torch.full((4,), 2.0)
+    s.clip_grad_norm_(opt, 1.0)
+    st = s._per_optimizer_states[id(opt)]
+    assert st["clipped"] is True and set(st) > {"stage", "found_inf_per_device"}
+    with pytest.raises(RuntimeError):
+        s.clip_grad_norm_(opt, 1.0)  # a second clip in one step is still refused
+    s.step(opt)
+    s.update()
+    assert s._per_optimizer_states[id(opt)] == {"stage": torch.amp.grad_scaler.OptState.READY,
+                                                "found_inf_per_device": {}}
