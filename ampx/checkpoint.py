@@ -3,7 +3,8 @@
 Owns the checkpoint format (torch's five keys plus ampx's extras, which torch's scaler ignores)
 and its rules: a dict is checked whole against the constructor's rules before anything changes,
 and everything a resumed run needs to repeat the uninterrupted one bit for bit travels with it
-(the hysteresis tracker, the growth timing, the clip route of each optimizer). ``GradScaler``
+(the hysteresis tracker, the growth timing, the clip route of each optimizer, and the counters
+and scale history ``stats()`` reports). ``GradScaler``
 (ampx/scaler.py) inherits ``CheckpointMixin``; torch's methods are named, not reached through
 super(), for the reason given there.
 """
@@ -37,12 +38,22 @@ class CheckpointMixin:
             "_hysteresis_tracker": self._get_hysteresis_tracker(),
             # which clip route each optimizer's next step takes (it decides the last bits of
             # the gradients, so an exact resume needs it)
-            "_clip_active": list(self.__dict__.get("_clip_active", {}).values()),
+            "_clip_active": self._clip_hints(),
+            # stats()' counters and scale history, so a resumed run reports what the
+            # uninterrupted one would (ampx/telemetry.py owns the format)
+            "telemetry": self._telemetry_state(),
         })
         return sd
 
+    def _clip_hints(self):
+        """Each optimizer's clip route in the order they took one, then the loaded hints no
+        optimizer has taken yet (so saving right after loading keeps them all)."""
+        taken = list(self.__dict__.get("_clip_active", {}).values())
+        return taken + list(self.__dict__.get("_clip_hints_loaded", []))
+
     def load_state_dict(self, state_dict):
-        """Loads a state_dict from ampx or from torch.amp.GradScaler (extras keep their values).
+        """Loads a state_dict from ampx or from torch.amp.GradScaler (extras keep their values;
+        without ampx's ``telemetry`` key, ``stats()``' counters and history are left as they are).
 
         The whole dict is checked against the constructor's rules before anything changes: a
         bad checkpoint raises one error naming the key and the rule, and leaves the scaler as
@@ -64,6 +75,8 @@ class CheckpointMixin:
             self._hysteresis_tracker.fill_(new["_hysteresis_tracker"])
         self._clip_active = {}
         self._clip_hints_loaded = new["_clip_active"]
+        if new["telemetry"] is not None:
+            self._load_telemetry(new["telemetry"])
 
     def _checked_state(self, sd):
         """ampx's settings as ``load_state_dict`` would leave them, after checking every key."""
@@ -98,6 +111,8 @@ class CheckpointMixin:
         if not (isinstance(hints, (list, tuple)) and all(isinstance(h, bool) for h in hints)):
             bad("_clip_active", "a list of True/False")
         new["_clip_active"] = list(hints)
+        # (a torch state_dict has no telemetry: the counters keep counting from where they are)
+        new["telemetry"] = self._checked_telemetry(op, sd["telemetry"]) if "telemetry" in sd else None
         tracker = new["_hysteresis_tracker"]
         if not (ops._is_count(tracker) and 1 <= tracker <= new["hysteresis"]):
             bad("_hysteresis_tracker", f"an integer from 1 to hysteresis ({new['hysteresis']})")
@@ -119,7 +134,7 @@ class CheckpointMixin:
             state["_names_dropped"] = True
         state["_param_names"] = {}
         # optimizer ids mean nothing in another process: the clip hints travel as in state_dict
-        state["_clip_hints_loaded"] = list(self.__dict__.get("_clip_active", {}).values())
+        state["_clip_hints_loaded"] = self._clip_hints()
         state["_clip_active"] = {}
         state["_pending"] = deque()
         state["_last_grads"] = None

@@ -207,3 +207,79 @@ class TelemetryMixin:
             "last_norm": None if self._last_norm is None else float(self._last_norm),
             "history": list(self._history),
         }
+
+    # -- checkpointing (ampx/checkpoint.py puts this under state_dict()["telemetry"]) --------
+
+    def _telemetry_state(self):
+        """The counters and history ``stats()`` reports, as plain numbers and lists (what
+        ``torch.load(weights_only=True)`` accepts); pending device reads are drained first."""
+        self._drain(wait=True)
+        return {
+            "steps": self._steps,
+            "skipped_steps": self._skipped,
+            "min_scale_seen": None if self._steps == 0 else self._scale_lo,
+            "max_scale_seen": None if self._steps == 0 else self._scale_hi,
+            "last_norm": None if self._last_norm is None else float(self._last_norm),
+            "history": [[int(step), float(scale)] for step, scale in self._history],
+        }
+
+    def _checked_telemetry(self, op, tele):
+        """``_telemetry_state``'s dict checked whole, as the attribute values it restores.
+
+        Raises ValueError naming ``state_dict['telemetry'][key]`` and its rule; changes nothing."""
+        def bad(key, rule):
+            value = tele.get(key) if isinstance(tele, dict) else tele
+            where = "state_dict['telemetry']" + (f"[{key!r}]" if key else "")
+            raise ValueError(f"{op}: {where} must be {rule}, not {value!r} (save it with ampx's "
+                             "state_dict(), or leave the key out to keep the counters)")
+
+        keys = {"steps", "skipped_steps", "min_scale_seen", "max_scale_seen", "last_norm", "history"}
+        if not (isinstance(tele, dict) and set(tele) == keys):
+            bad("", f"a dict with the keys {sorted(keys)}")
+        steps, skipped = tele["steps"], tele["skipped_steps"]
+        if not (settings.is_count(steps) and steps >= 0):
+            bad("steps", "an integer >= 0")
+        if not (settings.is_count(skipped) and 0 <= skipped <= steps):
+            bad("skipped_steps", f"an integer from 0 to steps ({steps})")
+        lo, hi = (_checked_seen(tele, key, steps, bad) for key in ("min_scale_seen", "max_scale_seen"))
+        if steps and lo > hi:
+            bad("min_scale_seen", f"<= max_scale_seen ({hi})")
+        norm = tele["last_norm"]
+        if not (norm is None or _is_real(norm)):
+            bad("last_norm", "None or a number")
+        history = tele["history"]
+        if not (isinstance(history, (list, tuple)) and all(_is_history_entry(e) for e in history)):
+            bad("history", "a list of [step, scale] pairs (an integer >= 0 and a number > 0)")
+        return {"_steps": int(steps), "_skipped": int(skipped), "_scale_lo": lo, "_scale_hi": hi,
+                "_last_norm": None if norm is None else float(norm),
+                "_history": [(int(s), float(v)) for s, v in history]}
+
+    def _load_telemetry(self, new):
+        """Sets what ``_checked_telemetry`` returned (nothing here can fail)."""
+        self._pending.clear()
+        new = dict(new)
+        history = new.pop("_history")
+        self.__dict__.update(new)
+        self._history.clear()
+        self._history.extend(history)  # the deque's own maxlen keeps the newest entries
+
+
+def _is_real(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_history_entry(e):
+    return (isinstance(e, (list, tuple)) and len(e) == 2 and settings.is_count(e[0]) and e[0] >= 0
+            and _is_real(e[1]) and e[1] > 0 and math.isfinite(e[1]))
+
+
+def _checked_seen(tele, key, steps, bad):
+    """min/max_scale_seen as the attribute holds it: None with no steps, else a finite number > 0."""
+    v = tele[key]
+    if steps == 0:
+        if v is not None:
+            bad(key, "None while steps is 0")
+        return math.inf if key == "min_scale_seen" else 0.0
+    if not (_is_real(v) and v > 0 and math.isfinite(v)):
+        bad(key, "a finite number > 0 once steps > 0")
+    return float(v)
