@@ -154,8 +154,13 @@ def test_resume_mid_run(precision, tmp_path, fresh_accelerate):
     resumed, record = _trainer(tmp_path / "b", precision, "plain", steps=6, inf_steps=(1,), scaler={})
     resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-3"))
     scaler = resumed.accelerator.scaler
-    assert scaler.state_dict()["hysteresis"] == 2 and scaler.stats()["skipped_steps"] == 1
-    assert scaler.get_scale() == full.accelerator.scaler.get_scale()
+    assert scaler.state_dict()["hysteresis"] == 2 and scaler.get_scale() == full.accelerator.scaler.get_scale()
+    # the counters came back with the checkpoint: the resumed run logs what the full one logged
+    got, want = scaler.stats(), full.accelerator.scaler.stats()
+    assert (got["steps"], got["skipped_steps"], got["history"]) == (want["steps"], 2, want["history"])
+    logged = [(h["step"], h["skipped_steps"]) for h in resumed.state.log_history if "skipped_steps" in h]
+    assert logged and set(logged) <= {(h["step"], h["skipped_steps"]) for h in full.state.log_history
+                                      if "skipped_steps" in h}
     for p, q in zip(resumed.model.parameters(), full.model.parameters()):
         assert torch.equal(p, q)
 
