@@ -170,6 +170,7 @@ def run_resume(out_dir):
         "patched": True, "rows": watch.rows, "hysteresis": scaler.state_dict()["hysteresis"],
         "skipped_steps": scaler.stats()["skipped_steps"], "scale": scaler.get_scale(),
         "full_scale": full.accelerator.scaler.get_scale(),
+        "full_skipped_steps": full.accelerator.scaler.stats()["skipped_steps"],
         "same_as_full": all(torch.equal(p, q) for p, q in zip(resumed.model.parameters(), full.model.parameters())),
     }
 
