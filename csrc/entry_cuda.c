@@ -430,3 +430,11 @@ PyObject *py_cuda_device_info(PyObject *module, PyObject *arg)
     }
     return Py_BuildValue("(iiii)", dev->cc_major, dev->cc_minor, dev->sm_count, ampx_cu_driver_version());
 }
+
+int cuda_tensor_stats(mstate *st, entry_call *c)
+{
+    (void)st;
+    PyErr_Format(PyExc_NotImplementedError, "%s: CUDA tensors are not supported yet; move them to the CPU first",
+                 c->at.op);
+    return -1;
+}
