@@ -119,23 +119,59 @@ static omp_thread_num_fn omp_thread_num, omp_num_threads, omp_max_threads;
 static char omp_path[512];
 
 #ifdef AMPX_HAVE_PHDR
+/* The loaded objects' search: torch's CPU library's directory, then the
+ * OpenMP runtime to use. Several runtimes may be loaded (another wheel's
+ * extension bringing its own libgomp, such as sentencepiece's, imported
+ * before torch); torch's parallel ops run on the one beside libtorch_cpu, so
+ * that one is taken, else the first loaded. */
+typedef struct {
+    char torch_dir[512];
+    size_t torch_dir_len;
+    int have_first;
+} omp_search;
+
+static const char *base_of(const char *name)
+{
+    const char *base = strrchr(name, '/');
+    return base ? base + 1 : name;
+}
+
+static int find_torch(struct dl_phdr_info *info, size_t size, void *data)
+{
+    (void)size;
+    omp_search *s = (omp_search *)data;
+    const char *name = info->dlpi_name;
+    if (name == NULL || strncmp(base_of(name), "libtorch_cpu", 12) != 0)
+        return 0;
+    size_t n = (size_t)(base_of(name) - name);
+    if (n < sizeof s->torch_dir) {
+        memcpy(s->torch_dir, name, n);
+        s->torch_dir[n] = '\0';
+        s->torch_dir_len = n;
+    }
+    return 1;
+}
+
 static int find_omp(struct dl_phdr_info *info, size_t size, void *data)
 {
     (void)size;
-    (void)data;
+    omp_search *s = (omp_search *)data;
     const char *name = info->dlpi_name;
     if (name == NULL || name[0] == '\0')
         return 0;
-    const char *base = strrchr(name, '/');
-    base = base ? base + 1 : name;
-    if (strncmp(base, "libgomp", 7) == 0 || strncmp(base, "libomp", 6) == 0 || strncmp(base, "libiomp5", 8) == 0) {
-        size_t n = strlen(name);
-        if (n < sizeof(omp_path)) {
-            memcpy(omp_path, name, n + 1);
-            return 1;
-        }
+    const char *base = base_of(name);
+    if (strncmp(base, "libgomp", 7) != 0 && strncmp(base, "libomp", 6) != 0 && strncmp(base, "libiomp5", 8) != 0)
+        return 0;
+    size_t n = strlen(name);
+    if (n >= sizeof(omp_path))
+        return 0;
+    int torchs = s->torch_dir_len > 0 && (size_t)(base - name) == s->torch_dir_len &&
+                 strncmp(name, s->torch_dir, s->torch_dir_len) == 0;
+    if (torchs || !s->have_first) {
+        memcpy(omp_path, name, n + 1);
+        s->have_first = 1;
     }
-    return 0;
+    return torchs; /* torch's own: stop looking */
 }
 #endif
 
@@ -174,7 +210,11 @@ static void omp_init(void)
     if (env != NULL && strcmp(env, "pool") == 0)
         return; /* forced onto ampx's own pool (tests, comparisons) */
 #ifdef AMPX_HAVE_PHDR
-    if (dl_iterate_phdr(find_omp, NULL) == 0)
+    omp_search search;
+    memset(&search, 0, sizeof search);
+    dl_iterate_phdr(find_torch, &search);
+    dl_iterate_phdr(find_omp, &search);
+    if (!search.have_first)
         return;
 #else
     return; /* no portable way to list loaded objects: ampx's own pool */

@@ -21,9 +21,14 @@ N = (1 << 20) + 333  # well above the parallel threshold (2**18), and not a mult
 
 
 def _loaded_openmp():
+    """The OpenMP runtime torch loaded: the one in torch's own wheel when there is one (a later
+    import, of a framework or a compiled extension, may add the system's libgomp beside it;
+    /proc/self/maps lists by address, not load order), else the first one mapped."""
     maps = open("/proc/self/maps").read() if os.path.exists("/proc/self/maps") else ""
     found = re.findall(r"\S*/(?:libgomp|libomp|libiomp5)[^/\s]*", maps)
-    return found[0] if found else None
+    torch_dir = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
+    own = [f for f in found if os.path.realpath(f).startswith(torch_dir)]
+    return (own or found or [None])[0]
 
 
 def _data(seed=0):
@@ -160,3 +165,30 @@ def test_forked_child_of_an_ampx_parent_runs_torchs_parallel_ops():
     env = {k: v for k, v in os.environ.items() if k not in ("AMPX_THREADING", "AMPX_NUM_THREADS")}
     r = subprocess.run([sys.executable, "-c", _FORK_TORCH], timeout=60, env=env)
     assert r.returncode == 0
+
+
+_TWO_RUNTIMES = textwrap.dedent("""
+    import sentencepiece  # a wheel with its own libgomp (renamed by auditwheel), loaded before torch's
+    import torch, ampx
+    from ampx import ops
+    torch.set_num_threads(2)
+    ops.norm([torch.ones((1 << 20) + 3)])
+    print(ops.thread_backend())
+""")
+
+
+def test_a_second_openmp_runtime_loaded_first_is_not_taken_for_torchs():
+    """With two runtimes loaded, ampx joins the one beside libtorch_cpu (the team torch's ops and
+    torch.set_num_threads use), not the first one loaded: a foreign team would ignore torch's
+    thread count and spin beside torch's own workers."""
+    runtime = _loaded_openmp()
+    if runtime is None or os.environ.get("AMPX_THREADING") == "pool":
+        pytest.skip("torch loaded no OpenMP runtime here")
+    torch_dir = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
+    if not os.path.realpath(runtime).startswith(torch_dir):
+        pytest.skip("this torch's OpenMP runtime is not in its wheel")
+    pytest.importorskip("sentencepiece")
+    r = subprocess.run([sys.executable, "-c", _TWO_RUNTIMES],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert os.path.realpath(r.stdout.strip()) == os.path.realpath(runtime), r.stdout
