@@ -51,11 +51,13 @@ typedef unsigned (*ampx_cast_fn)(const void *src, void *dst, int64_t n, double f
  * state, reads it out (and re-initialises it) before 2^31 elements, and may
  * then rely on every ex[t][k] outside k = 0, 255 and the exponents of amax and
  * amin1 + 1 being zero (stats_flush in tensor_stats.c). */
+#define AMPX_STATS_TABLES 16
 typedef struct {
-    uint32_t ex[4][256];
+    uint32_t ex[AMPX_STATS_TABLES][256];
     uint32_t sub[24];
     uint32_t nsub, posinf, neginf, nan;
     uint32_t amax, amin1;
+    uint32_t tables;       /* how many of the tables hold counts (the rest are zero) */
 } ampx_stats32;
 typedef void (*ampx_stats_fn)(const void *ptr, int64_t n, ampx_stats32 *s);
 

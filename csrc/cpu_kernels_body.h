@@ -289,6 +289,12 @@ AMPX_INLINE unsigned cast_body_f64(int sdt, int ddt, int sr, const void *src, vo
 
 /* ---- tensor_stats over float32, float16, bfloat16 (ampx_stats32) --------- */
 
+/* Tables the counts are spread over: one per lane for 16 lanes, else 8 (measured, one thread
+ * of a 2-core EPYC, 4M float32: AVX-512 0.88 / 0.77 / 0.63 ns an element with 4 / 8 / 16
+ * tables, AVX2 0.71 / 0.59 / 0.83; norm() 0.57 on the same data). */
+#define STATS_NT (VW >= 16 ? 16 : 8)
+AMPX_STATIC_ASSERT(STATS_NT <= AMPX_STATS_TABLES, "ampx_stats32 holds the tables");
+
 /* VW lanes of uint32 in the target's vector registers (GCC vector extensions:
  * the same code over 16, 8 or 1 lanes). */
 typedef uint32_t vu32 __attribute__((vector_size(VW * 4)));
@@ -333,6 +339,10 @@ AMPX_INLINE void stats_body(int dt, const void *ptr, int64_t n, ampx_stats32 *s)
     const vu32 one = (vu32){0} + 1u, submax = (vu32){0} + 0x007fffffu;
     vu32 vmax = (vu32){0}, vmin1 = ~(vu32){0}, rare = (vu32){0};
     uint32_t lanes[VW];
+    /* A short run spreads over 2 tables: fewer to add up and clear afterwards (stats_flush). */
+    const int64_t tmask = n >= 4096 ? STATS_NT - 1 : 7;
+    if (s->tables < (uint32_t)tmask + 1u)
+        s->tables = (uint32_t)tmask + 1u;
     int64_t i = 0;
     for (; i + VW <= n; i += VW) {
         vu32 a = vbits(vload_dt(dt, p, i)) & absmask;
@@ -345,7 +355,7 @@ AMPX_INLINE void stats_body(int dt, const void *ptr, int64_t n, ampx_stats32 *s)
         rare |= ~fin | (vu32)((a - one) < submax);
         memcpy(lanes, &a, sizeof lanes);
         for (int j = 0; j < VW; j++)
-            s->ex[(i + j) & 3][lanes[j] >> 23]++;
+            s->ex[(i + j) & tmask][lanes[j] >> 23]++;
     }
     uint32_t mx = s->amax, mn1 = s->amin1, any_rare = 0;
     uint32_t vmaxl[VW], vminl[VW], rarel[VW];
@@ -362,7 +372,7 @@ AMPX_INLINE void stats_body(int dt, const void *ptr, int64_t n, ampx_stats32 *s)
             stats_rare(sbits_dt(dt, p, k), s);
     for (; i < n; i++) {
         uint32_t u = sbits_dt(dt, p, i), a = u & 0x7fffffffu;
-        s->ex[i & 3][a >> 23]++;
+        s->ex[i & tmask][a >> 23]++;
         if (a < 0x7f800000u) {
             mx = a > mx ? a : mx;
             mn1 = a - 1u < mn1 ? a - 1u : mn1;
