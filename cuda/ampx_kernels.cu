@@ -3,8 +3,9 @@
  * (SASS for sm_80, sm_86, sm_89, sm_90 and PTX for compute_90) and loaded at
  * run time through the driver API (csrc/cuda_driver.c).
  *
- * One multi-tensor loop (run_chunks) serves every data kernel. A launch carries
- * up to AMPX_CU_MAX_TENSORS tensors in its __grid_constant__ parameter block;
+ * One multi-tensor loop (run_chunks) serves the scale and cast kernels; tensor_stats,
+ * whose results are rows rather than reductions, walks the same chunks (its section).
+ * A launch carries up to AMPX_CU_MAX_TENSORS tensors in its __grid_constant__ parameter block;
  * each tensor is cut into chunks of AMPX_CU_CHUNK elements and each chunk is
  * the work of one block (blocks loop when the grid is capped). Within a chunk,
  * thread t owns the 16-byte vectors t, t + BLOCK, t + 2*BLOCK, ... and the
