@@ -2,7 +2,8 @@
 ampx.stats.reference (plain torch ops in float64) on every SIMD level, one thread and several,
 at sizes either side of every vector (8, 16 lanes, the 2 x 16 unrolled loop), the 4-table
 histogram, chunk and task boundary; on data with +-inf, NaN, -0.0, subnormals of every
-format and the formats' extremes. Then what it refuses, and the torch op torch sees."""
+format and the formats' extremes. Then what it refuses, and the torch op torch sees. (The CUDA
+kernel: test_tensor_stats_cuda.py.)"""
 import math
 
 import numpy as np
@@ -13,7 +14,7 @@ import ampx
 from ampx import _C, ops
 from ampx import stats as S
 
-from conftest import force_threads, special_values, use_simd
+from conftest import CUDA, force_threads, special_values, use_simd
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 # either side of 1, 8 (AVX2), 16 (AVX-512), 32 (the unrolled pair), 64, a chunk (65536)
@@ -211,11 +212,15 @@ def test_fractions_from_the_kernel_row_match_a_cast():
         assert f["underflow"] == pytest.approx((y == 0).double().mean().item(), abs=0)
 
 
-def test_cuda_tensors_are_refused_until_the_cuda_kernel_lands():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    with pytest.raises(NotImplementedError, match="ampx.ops.tensor_stats"):
-        ops.tensor_stats([torch.ones(3, device="cuda")])
+def test_cuda_tensors_give_the_cpu_rows(rng):
+    """The CUDA kernel itself is tested in test_tensor_stats_cuda.py (emulated, and on a GPU);
+    here: the same list on both devices gives the same rows, on the tensors' device."""
+    if not CUDA:
+        pytest.skip("no CUDA device usable by ampx")
+    tensors = [_data(dt, n, rng) for dt in DTYPES for n in (0, 5, 65537)]
+    got = ops.tensor_stats([t.cuda() for t in tensors])
+    assert got.device.type == "cuda"
+    assert torch.equal(got.cpu(), ops.tensor_stats(tensors))
 
 
 _ = (np, ampx)
