@@ -15,7 +15,8 @@ seen in the backward pass. Two levels of work:
   (module, phase, tensor) as the latest statistics, which ``report()``, ``plot()`` and the
   advice read (amax before an overflow, headroom, underflow at the current scale).
 
-Without a scaler the user ends each step with ``monitor.step()`` (e.g. bf16 training); with
+Forward passes without grad (evaluation, ``torch.no_grad()``) are not watched. Without a scaler
+the user ends each step with ``monitor.step()`` (e.g. bf16 training); with
 an ``ampx.GradScaler`` (``scaler=`` or ``scaler.monitor(...)``), its ``update()`` does.
 """
 import fnmatch
@@ -203,6 +204,8 @@ class PrecisionMonitor:
 
     def _forward_hook(self, name):
         def hook(module, args, out):
+            if not torch.is_grad_enabled():
+                return  # evaluation: no step of the scaler's to explain
             if self._producers:
                 self._link(name, args)
             ts = _tensors_of(out)

@@ -228,7 +228,12 @@ def test_gradient_underflow_at_the_scale_floor_says_so_with_the_fraction():
 
     def keep(m, a, out):
         if out.requires_grad:
-            out.register_hook(lambda g: grads.setdefault(id(g), g.detach().clone()) if at["step"] == 2 else None)
+            out.register_hook(lambda g: seen_grad(g))
+
+    def seen_grad(g):
+        if at["step"] == 2:
+            grads[len(grads)] = g.detach().clone()
+        return None  # the gradient itself unchanged
 
     def push(step, model):
         at["step"] = step
@@ -377,3 +382,28 @@ def test_a_pickled_scaler_leaves_its_monitor_behind():
     scaler.monitor(Net())
     back = pickle.loads(pickle.dumps(scaler))
     assert back._monitor is None and scaler._monitor is not None
+
+
+@pytest.mark.parametrize("bad, match", [(3, "monitor must be True or a dict"), ({"evry": 2}, "not evry")])
+def test_integrations_refuse_a_bad_monitor_argument(bad, match):
+    pytest.importorskip("accelerate")
+    from ampx.integrations.accelerate import _monitor_kwargs
+
+    with pytest.raises(TypeError, match=match):
+        _monitor_kwargs(bad)
+    assert _monitor_kwargs(True) == {} and _monitor_kwargs(None) is None
+
+
+def test_the_origin_travels_with_the_deferred_telemetry_of_a_device_scale():
+    """With a device scale the step's flags are copied without blocking and read when the update
+    is accounted for (here the CPU scale forced onto that path): the same origin."""
+    scaler = ampx.GradScaler("cpu", init_scale=2.0 ** 8)
+    scaler._force_lazy_telemetry = True
+
+    def push(step, model):
+        with torch.no_grad():
+            model.blocks[1].up.bias.fill_(7e4 if step == BAD_STEP else 0.0)
+
+    _, _, reports = train(Net(), before_step=push, scaler=scaler)
+    o = only_report(reports).origin
+    assert (o["phase"], o["module"], o["param_amax"]) == ("forward", "blocks.1.up", 7e4)
