@@ -64,7 +64,7 @@ ISA_SOURCES = {
     "cpu_kernels_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
     "cpu_kernels_avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
 }
-COMMON_SOURCES = ["module.c", "tensor_meta.c", "tensor_list.c", "overlap.c", "entry.c", "entry_cpu.c",
+COMMON_SOURCES = ["module.c", "tensor_meta.c", "tensor_list.c", "overlap.c", "entry.c", "entry_cpu.c", "stats_cpu.c",
                   "entry_cuda.c", "collect_grads.c", "multi_tensor.c", "coalesce.c", "threadpool.c", "cpu_dispatch.c",
                   "cpu_kernels_portable.c", "cuda_driver.c", "cuda_launch.c", "torch_shim.c"]
 

@@ -39,6 +39,7 @@ if _simd:
 
 from . import cuda, ops  # noqa: E402
 from . import _torch_ops  # noqa: E402,F401  (defines torch.ops.ampx.*)
+from .doctor import PrecisionMonitor  # noqa: E402
 from .grad_buffer import GradBuffer  # noqa: E402
 from .master import MasterWeights  # noqa: E402
 from .policy import PerformanceWarning, Policy  # noqa: E402
@@ -56,4 +57,4 @@ def __getattr__(name):
 
         return ShardedGradScaler
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-__all__ = ["ops", "cuda", "GradScaler", "ShardedGradScaler", "OverflowReport", "MasterWeights", "GradBuffer", "Policy", "PerformanceWarning", "prepare", "SettingError", "__version__"]
+__all__ = ["ops", "cuda", "GradScaler", "ShardedGradScaler", "OverflowReport", "PrecisionMonitor", "MasterWeights", "GradBuffer", "Policy", "PerformanceWarning", "prepare", "SettingError", "__version__"]

@@ -39,6 +39,7 @@ SCHEMAS = {
     "update_scale_": "(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor found_inf, float growth_factor, "
                      "float backoff_factor, int growth_interval, int hysteresis, Tensor(c!)? hysteresis_tracker, "
                      "bool consecutive, float min_scale, float max_scale) -> Tensor",
+    "tensor_stats": "(Tensor[] tensors) -> Tensor",
     "_scaler_unscale_": "(Tensor(a!)[] tensors, int reduce, Tensor? inv_scale, float? inv_scale_value, "
                         "Tensor(b!) found_inf, Tensor(c!) flags, bool refuse_fp16, int split) -> Tensor",
     "_scaler_check": "(Tensor[] tensors, int reduce, Tensor? factor, float? factor_value, Tensor(a!) found_inf, "
@@ -93,6 +94,10 @@ def _update_scale_impl(scale, tracker, found_inf, growth, backoff, interval, hys
     if isinstance(ev, torch.Tensor):
         return ev
     return torch.tensor(ev, dtype=torch.int32)  # the CPU kernel returns its events as an int
+
+
+def _tensor_stats_impl(tensors):
+    return ops._tensor_stats(tensors)
 
 
 def _scaler_pass_impl(write):
@@ -210,6 +215,12 @@ def _update_scale_fake(scale, tracker, found_inf, growth, backoff, interval, hys
     return torch.empty((), dtype=torch.int32, device=scale.device)
 
 
+def _tensor_stats_fake(tensors):
+    device = _where("ampx.ops.tensor_stats", tensors)
+    return torch.empty((len(tensors), ops._C.STATS_WIDTH), dtype=torch.float64,
+                       device=device if device is not None else "cpu")
+
+
 def _scaler_pass_fake(tensors, reduce, f_t, f_v, found_inf, flags, refuse_fp16, split):
     op = "ampx.GradScaler"
     device = _check_pass(op, tensors, f_t, found_inf, flags)
@@ -226,6 +237,7 @@ _IMPLS = {
     "mul_": (_mul_impl, _mul_fake),
     "cast_": (_cast_impl, _cast_fake),
     "update_scale_": (_update_scale_impl, _update_scale_fake),
+    "tensor_stats": (_tensor_stats_impl, _tensor_stats_fake),
     "_scaler_unscale_": (_scaler_pass_impl(True), _scaler_pass_fake),
     "_scaler_check": (_scaler_pass_impl(False), _scaler_pass_fake),
 }

@@ -138,6 +138,9 @@ class CheckpointMixin:
         state["_clip_active"] = {}
         state["_pending"] = deque()
         state["_last_grads"] = None
+        # A monitor's hooks live on a model in this process: it does not travel (nor its model).
+        state["_monitor"] = None
+        state["_explain_model"] = None
         # A process group cannot be pickled; a sharded scaler comes back on the default group.
         state["process_group"] = None
         return state

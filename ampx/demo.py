@@ -560,6 +560,10 @@ def parser():
                     help="cpu or cuda (default: cuda when torch and ampx's CUDA kernels are available)")
     ap.add_argument("--out", default="ampx-demo.png", help="where to write the PNG (default ./ampx-demo.png)")
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    ap.add_argument("--doctor", action="store_true",
+                    help="instead: train in float16 with ampx.PrecisionMonitor, push one layer past float16's "
+                         "range mid-run, print where ampx finds the overflow began and write the exponent "
+                         "heatmap (default ./ampx-doctor.png)")
     return ap
 
 
@@ -638,6 +642,8 @@ def main(argv=None):
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
 
+    if args.doctor and args.out == "ampx-demo.png":
+        args.out = "ampx-doctor.png"
     plot_ok = not args.no_plot and importlib.util.find_spec("matplotlib") is not None
     try:
         runs, auto, notes = make_runs(device)
@@ -663,6 +669,11 @@ def main(argv=None):
               f"too few for --context {args.context}", file=sys.stderr)
         return 2
     train, val = data[:split], data[split:]
+    if args.doctor:
+        from . import demo_doctor
+
+        args.no_plot = not plot_ok
+        return demo_doctor.main(args, device, train)
     print(f"Data: {data.numel():,} characters of Python's standard library "
           f"({train.numel():,} to train on, {val.numel():,} held out)")
     sys.stdout.flush()

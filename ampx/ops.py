@@ -62,6 +62,7 @@ __all__ = [
     "mul_",
     "cast_",
     "update_scale_",
+    "tensor_stats",
     "FLAG_INF",
     "FLAG_NAN",
     "simd_level",
@@ -684,6 +685,49 @@ def update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_facto
     _update_scale_events(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval,
                          hysteresis, hysteresis_tracker, consecutive_hysteresis, min_scale, max_scale)
     return scale
+
+
+def tensor_stats(tensors, *, out=None):
+    """Per-tensor statistics from one read of every tensor: a ``[len(tensors), WIDTH]`` float64
+    tensor on the tensors' device, one row per tensor in the layout ``ampx.stats`` documents
+    (largest and smallest non-zero magnitude, counts of +inf, -inf, NaN and zeros, and a
+    histogram of base-2 exponents over float32's range, subnormals one bucket each).
+    ``ampx.stats.fractions(row, fmt, scale)`` turns a row into what float16, bfloat16 or
+    float8 would overflow and flush to zero at a scale, with no further pass over the data.
+
+    Reads only; never waits for a CUDA device.
+
+    Args:
+        tensors: a Tensor or a sequence of Tensors (float32/16, bfloat16, float64), all on one
+            device; non-contiguous ones are read through a contiguous copy.
+        out: optional contiguous float64 tensor of ``len(tensors) * WIDTH`` elements on that
+            device that no input overlaps; written and returned (as ``[n, WIDTH]`` when it has
+            that shape). By default a new one.
+
+    Raises:
+        TypeError, ValueError: as ``unscale_`` for the tensors; an ``out`` of the wrong dtype,
+        size or device, one that overlaps an input, or one that requires grad.
+    """
+    op = "ampx.ops.tensor_stats"
+    tensors = _as_list(tensors, "tensors", op)
+    _check_outputs(op, out=out)
+    if _dispatching(tensors):
+        if out is not None:
+            raise ValueError(f"{op}: out= is taken only eagerly; under torch.compile, FakeTensor or meta "
+                             "tensors the op returns a new tensor")
+        return torch.ops.ampx.tensor_stats(tensors)
+    return _tensor_stats(tensors, out)
+
+
+def _tensor_stats(tensors, out=None):
+    """The kernel call of tensor_stats (and ampx::tensor_stats' CPU and CUDA implementation)."""
+    op = "ampx.ops.tensor_stats"
+    device = _cuda_device(tensors)
+    if out is None:
+        dev = torch.device("cuda", device) if device >= 0 else torch.device("cpu")
+        out = torch.empty((len(tensors), _C.STATS_WIDTH), dtype=torch.float64, device=dev)
+    _C.tensor_stats(op, tensors, out, **_on(op, device))
+    return out
 
 
 def _scaler_pass(tensors, mode_reduce, factor, found_inf, flags, write, refuse_fp16, device, split=SPLIT_DYNAMIC):

@@ -52,6 +52,10 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             used to name parameters in overflow reports (see ``watch``).
         history: how many (step, scale) pairs ``stats()`` keeps.
         on_overflow: optional callable receiving an ``OverflowReport`` after each skipped step.
+        explain_overflows: True to explain overflows without a monitor running from the start:
+            after the first overflow the scaler hooks the model given to ``watch(model)`` with an
+            ``ampx.PrecisionMonitor`` (flags only), so the next overflow's report carries its
+            origin; clean steps before then cost nothing.
         process_group: the ``torch.distributed`` group across which the gradients are sharded
             (FSDP, FSDP2, ZeRO-style optimizers, tensor parallelism). Each step then issues one
             all-reduce that carries both the overflow flag and the local sum of squares, so all
@@ -81,7 +85,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                  growth_interval=2000, enabled=True, *, hysteresis=1, consecutive_hysteresis=False,
                  min_scale=None, max_scale=None, on_min_scale="warn", dynamic=True,
                  named_parameters=None, history=1000, on_overflow=None, process_group=None,
-                 growth_timing="torch"):
+                 growth_timing="torch", explain_overflows=False):
         # Every setting is checked before anything is built (torch's own two rules included, so
         # its bare AssertionError becomes a SettingError naming the setting, and a NaN that
         # slips past torch's comparisons is refused).
@@ -110,6 +114,9 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         if named_parameters is not None:
             self.watch(named_parameters)
         self._init_telemetry(history, on_overflow)
+        self._monitor = None
+        self._explain = bool(explain_overflows)
+        self._explain_model = None
         self.last_step_skipped = False
         # Per optimizer, for the overflow report: (params, per-tensor flags) of the last pass.
         self._flag_sources = {}
@@ -129,11 +136,35 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         return self._sharded
 
     def watch(self, named_parameters):
-        """Names parameters for overflow reports: ``scaler.watch(model.named_parameters())``."""
+        """Names parameters for overflow reports: ``scaler.watch(model.named_parameters())``, or
+        ``scaler.watch(model)``, which also gives ``explain_overflows=True`` the model to hook."""
+        if isinstance(named_parameters, torch.nn.Module):
+            self._explain_model = named_parameters
+            named_parameters = named_parameters.named_parameters()
         for name, p in named_parameters:
             self._param_names[id(p)] = name
         self._names_dropped = False
         return self
+
+    def monitor(self, model, every=100, modules=None, **kwargs):
+        """An ``ampx.PrecisionMonitor`` of ``model`` driven by this scaler (its ``update()`` ends
+        each step; overflow reports carry ``origin`` and ``advice``); also names the model's
+        parameters in reports. Arguments as ``PrecisionMonitor``."""
+        from .doctor import PrecisionMonitor
+
+        self.watch(model.named_parameters())
+        return PrecisionMonitor(model, scaler=self, every=every, modules=modules, **kwargs)
+
+    def _attach_monitor(self, monitor):
+        if self._monitor is not None and self._monitor is not monitor:
+            raise ValueError("ampx.GradScaler: a PrecisionMonitor is attached already; call its remove() first")
+        self._monitor = monitor
+        monitor._scaler = self
+
+    def _detach_monitor(self, monitor):
+        if self._monitor is monitor:
+            self._monitor = None
+            monitor._scaler = None
 
     def _lazy_init_scale_growth_tracker(self, dev):
         super()._lazy_init_scale_growth_tracker(dev)
@@ -631,6 +662,9 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         found = found_infs[0]
         for f in found_infs[1:]:
             found = found + f
+        trace = None
+        if self._monitor is not None:  # the step's flags, and the scale it ran at
+            trace = self._monitor._end_step(scale)
         events = 0
         if self._dynamic:
             events = ops._update_scale_events(
@@ -650,12 +684,12 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             # leave no telemetry (ampx/cuda.py's docstring says so).
             return
         if scale.device.type == "cpu" and not self._force_lazy_telemetry:
-            self._account(self._steps, float(scale.item()), bool(found.item()), int(events), sources)
+            self._account(self._steps, float(scale.item()), bool(found.item()), int(events), sources, trace)
             return
         # A device scale: the telemetry travels in one small non-blocking copy and is read once
         # the device has got there (at a later update, or when stats() or a report asks), so
         # the step never waits for the host.
-        self._defer(scale, found, events, sources)
+        self._defer(scale, found, events, sources, trace)
 
     def _checked_new_scale(self, new_scale):
         """update(new_scale)'s argument as a float or a tensor to copy, after every check."""

@@ -25,19 +25,30 @@ class OverflowReport:
         step: the scaler's step count (``stats()["steps"]``) of the skipped step.
         inf: names of parameters whose gradient held +-inf.
         nan: names of parameters whose gradient held NaN.
-        note: why names are missing, when they are ("" otherwise): a scaler unpickled in
-            another process has lost them until ``watch`` is called again.
+        note: why something is missing, when it is ("" otherwise): a scaler unpickled in
+            another process has lost the names until ``watch`` is called again; an origin not
+            yet known (``explain_overflows``).
+        origin: with an ``ampx.PrecisionMonitor``, where the step's first non-finite value
+            appeared: a dict with ``phase`` ("forward" or "backward"), ``module`` (qualified
+            name), ``tensor`` ("output i" / "grad_output i", or "gradient of <param>"),
+            ``kind`` ("inf" or "nan"), ``dtype``, ``amax_before`` (that tensor's largest
+            magnitude at the last statistics step, or None), ``module_type`` and ``rank``
+            (under torch.distributed, else None); None without a monitor.
+        advice: one or two sentences to act on, or None.
     """
 
-    def __init__(self, step, inf, nan, note=""):
+    def __init__(self, step, inf, nan, note="", origin=None, advice=None):
         self.step = step
         self.inf = inf
         self.nan = nan
         self.note = note
+        self.origin = origin
+        self.advice = advice
 
     def __repr__(self):
         note = f", note={self.note!r}" if self.note else ""
-        return f"OverflowReport(step={self.step}, inf={self.inf}, nan={self.nan}{note})"
+        extra = f", origin={self.origin!r}, advice={self.advice!r}" if self.origin or self.advice else ""
+        return f"OverflowReport(step={self.step}, inf={self.inf}, nan={self.nan}{note}{extra})"
 
 
 def _host_copy(t):
@@ -73,15 +84,21 @@ class _Pending:
     device whose stream carries a copy: with gradients on several GPUs the flags travel on
     each gradient device's own stream, and nothing is read before every one has landed."""
 
-    def __init__(self, step, scale, found, events, sources):
+    def __init__(self, step, scale, found, events, sources, trace=None):
         self.step = step
+        self.trace = trace
         vals = torch.stack([scale.reshape(()).double(), found.reshape(()).double(),
                             (events.reshape(()).double() if isinstance(events, torch.Tensor)
                              else scale.new_full((), float(events), dtype=torch.float64))])
         self.vals = _host_copy(vals)
         self.sources = [[(ps, _host_copy(fl)) for ps, fl in src] for src in sources]
+        devices = _stream_devices(scale, sources)
+        if trace is not None:
+            if trace.flags.device not in devices:
+                devices.append(trace.flags.device)
+            trace.flags = _host_copy(trace.flags)
         # Recorded after the copies were queued, on each stream that carries one.
-        self.events = [e for e in map(_record_event, _stream_devices(scale, sources)) if e is not None]
+        self.events = [e for e in map(_record_event, devices) if e is not None]
 
     def ready(self):
         return all(e.query() for e in self.events)
@@ -91,7 +108,7 @@ class _Pending:
             if not e.query():
                 e.synchronize()
         s, f, e = self.vals.tolist()
-        return self.step, s, bool(f), int(e), self.sources
+        return self.step, s, bool(f), int(e), self.sources, self.trace
 
 
 class _LazySkip:
@@ -130,13 +147,13 @@ class TelemetryMixin:
         self._drain(wait=True)
         self._account(self._steps, float(self._scale.item()), skipped, 0, [])
 
-    def _defer(self, scale, found, events, sources):
+    def _defer(self, scale, found, events, sources, trace=None):
         """Hands one device-side update's telemetry over without waiting for the device."""
         # on_min_scale="raise" has to know now: it waits.
         if self._on_min_scale == "raise" and self._dynamic and int(events) & _C.UPD_AT_MIN:
             self._drain(wait=True)
-            self._account(self._steps, float(scale.item()), True, int(events), sources)
-        self._pending.append(_Pending(self._steps, scale, found, events, sources))
+            self._account(self._steps, float(scale.item()), True, int(events), sources, trace)
+        self._pending.append(_Pending(self._steps, scale, found, events, sources, trace))
         self._drain(wait=False)
 
     def _drain(self, wait):
@@ -145,11 +162,12 @@ class TelemetryMixin:
             e = self._pending.popleft()
             self._account(*e.values())
 
-    def _account(self, step, scale, skipped, events, sources):
+    def _account(self, step, scale, skipped, events, sources, trace=None):
         """One update's telemetry: counts, report and callback, the floor, scale history."""
         if skipped:
             self._skipped += 1
             self._last_report = self._make_report(step, sources)
+            self._explain_report(self._last_report, scale, events, trace)
             logger.debug("ampx.GradScaler: step %d skipped (inf/NaN gradients); scale -> %s", step, scale)
             if self._on_overflow is not None:
                 self._on_overflow(self._last_report)
@@ -184,6 +202,32 @@ class TelemetryMixin:
             note = ("parameter names are not pickled with the scaler (they are keyed by object id): call "
                     "scaler.watch(model.named_parameters()) after unpickling to name them")
         return OverflowReport(step, inf, nan, note)
+
+    def _explain_report(self, report, scale, events, trace):
+        """Adds origin and advice to a skipped step's report (ampx/doctor_advice.py): from the
+        monitor's trace of that step, or, without a monitor, arms one when explain_overflows."""
+        monitor = self.__dict__.get("_monitor")
+        if monitor is not None and trace is not None:
+            from .doctor_advice import advise, param_origin
+
+            report.origin = monitor._origin(trace) or param_origin(report, monitor)
+            if report.origin is not None:
+                monitor.last_origin = report.origin
+            step_scale = float(trace.scale.item()) if trace.scale is not None else scale
+            report.advice = advise(report, monitor, step_scale, bool(events & _C.UPD_AT_MIN), trace.step)
+            return
+        if self.__dict__.get("_explain") and monitor is None:
+            model = self.__dict__.get("_explain_model")
+            if model is None:
+                report.note = (report.note + "; " if report.note else "") + (
+                    "explain_overflows=True needs the model: call scaler.watch(model)")
+                return
+            from .doctor import PrecisionMonitor
+
+            PrecisionMonitor(model, scaler=self, every=0)
+            report.note = (report.note + "; " if report.note else "") + (
+                "where this overflow began is not known: explain_overflows=True has now hooked the model, "
+                "so the next overflow's report gives its origin")
 
     def overflow_report(self):
         """The ``OverflowReport`` of the most recent skipped step, or None (with a CUDA scale,

@@ -46,6 +46,20 @@ enum { AMPX_DTYPE_LIST(AMPX_X_DTYPE_SIZE) };
 AMPX_STATIC_ASSERT(AMPX_F32 == 0 && AMPX_F16 == 1 && AMPX_BF16 == 2 && AMPX_F64 == 3 && AMPX_NUM_DTYPES == 4,
                    "dtype codes: the order of _C._init's arguments and of torch_shim.c's table");
 
+/* tensor_stats' row: AMPX_STATS_WIDTH float64 values per tensor, the layout
+ * ampx/stats.py documents (and tests/test_stats_layout.py pins to these
+ * numbers through _C): AMAX, AMIN, POSINF, NEGINF, NAN, ZERO, NUMEL, then
+ * AMPX_STATS_BUCKETS histogram counts by floor(log2 |x|): bucket 0 below
+ * 2^EXP_MIN, 1 + e - EXP_MIN for e in [EXP_MIN, EXP_MAX], the last above. */
+enum {
+    AMPX_STATS_AMAX, AMPX_STATS_AMIN, AMPX_STATS_POSINF, AMPX_STATS_NEGINF, AMPX_STATS_NAN, AMPX_STATS_ZERO,
+    AMPX_STATS_NUMEL, AMPX_STATS_HIST
+};
+#define AMPX_STATS_EXP_MIN (-149)
+#define AMPX_STATS_EXP_MAX 127
+#define AMPX_STATS_BUCKETS (AMPX_STATS_EXP_MAX - AMPX_STATS_EXP_MIN + 3)
+#define AMPX_STATS_WIDTH (AMPX_STATS_HIST + AMPX_STATS_BUCKETS)
+
 /* Bytes per element of dtype code dt (0 for an unknown code). */
 AMPX_HD int64_t ampx_elem_size(int dt)
 {

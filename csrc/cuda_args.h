@@ -42,13 +42,14 @@ typedef struct {
 /* Kernel `kind` values of the data kernel arguments. */
 #define AMPX_CU_SCALE 0
 #define AMPX_CU_CAST 1
+#define AMPX_CU_STATS 2 /* tensor_stats: rows at per_out; src[] each slot's accumulator row, or 0 */
 
 typedef struct {
     /* ---- outputs and scalars (device pointers, 0 for none) ---- */
     uint64_t found_inf;  /* float: set to 1.0 when any input is inf/NaN */
     uint64_t factor_ptr; /* const float: the multiplier, read on the device; else `factor` */
     uint64_t flags_out;  /* uint8[ntotal]: per-tensor flags */
-    uint64_t per_out;    /* float[ntotal]: per-tensor reductions */
+    uint64_t per_out;    /* float[ntotal]: per-tensor reductions; stats: double[ntotal][AMPX_STATS_WIDTH] */
     uint64_t total_out;  /* float: the total reduction */
     /* ---- workspace (0 when no per-tensor result is wanted) ---- */
     uint64_t tcount;     /* uint32[ntotal]: chunks finished per tensor (zeroed before the first launch) */
@@ -70,7 +71,8 @@ typedef struct {
     uint32_t ntensors;   /* tensor slots used in this launch */
     /* ---- the tensors of this launch ---- */
     uint64_t ptr[AMPX_CU_MAX_TENSORS];   /* data (casts: the destination) */
-    uint64_t src[AMPX_CU_MAX_TENSORS];   /* casts: the source; scale kernels with tflags: the span table */
+    uint64_t src[AMPX_CU_MAX_TENSORS];   /* casts: the source; scale kernels with tflags: the span table;
+                                          * stats: the tensor's accumulator row (0: a one-chunk tensor) */
     int64_t numel[AMPX_CU_MAX_TENSORS];
     uint32_t first[AMPX_CU_MAX_TENSORS + 1]; /* slot s owns launch chunks [first[s], first[s+1]) */
     uint32_t index[AMPX_CU_MAX_TENSORS];     /* position in the caller's list */
@@ -99,6 +101,13 @@ typedef struct {
     uint32_t index; /* position in the caller's list */
     uint32_t pad;
 } ampx_cu_span_entry;
+
+/* tensor_stats' accumulator row: one per tensor of more than one chunk, in the workspace
+ * (zeroed before the first launch), AMPX_STATS_WIDTH uint64 words at the row's columns:
+ * AMAX the largest |x|'s float64 bits, AMIN the complement of the smallest's (0: none yet),
+ * NUMEL the tensor's chunks counted so far, the rest counts. Each chunk adds its counts in;
+ * the block that counts the tensor's last chunk turns the row into the float64 output row. */
+#define AMPX_CU_STATS_ROW_BYTES ((int64_t)8 * AMPX_STATS_WIDTH)
 
 /* The loss-scale update: one thread. */
 typedef struct {

@@ -356,6 +356,8 @@ static int load_functions(ampx_cu_dev *d, ampx_cu_error *err)
                what);
     }
     CU_TRY(api.ModuleGetFunction(&d->cast, d->mod, "ampx_k_cast"), "cuModuleGetFunction(ampx_k_cast)");
+    CU_TRY(api.ModuleGetFunction(&d->stats, d->mod, "ampx_k_tensor_stats"),
+           "cuModuleGetFunction(ampx_k_tensor_stats)");
     CU_TRY(api.ModuleGetFunction(&d->update, d->mod, "ampx_k_update_scale"),
            "cuModuleGetFunction(ampx_k_update_scale)");
     CU_TRY(api.ModuleGetFunction(&d->probe, d->mod, "ampx_k_probe"), "cuModuleGetFunction(ampx_k_probe)");
@@ -366,6 +368,7 @@ static int load_functions(ampx_cu_dev *d, ampx_cu_error *err)
                     if (d->scale[r][w][s] != NULL)
                         CU_TRY(api.FuncLoad(d->scale[r][w][s]), "cuFuncLoad");
         CU_TRY(api.FuncLoad(d->cast), "cuFuncLoad");
+        CU_TRY(api.FuncLoad(d->stats), "cuFuncLoad");
         CU_TRY(api.FuncLoad(d->update), "cuFuncLoad");
         CU_TRY(api.FuncLoad(d->probe), "cuFuncLoad");
     }

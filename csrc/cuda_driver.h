@@ -126,6 +126,7 @@ typedef struct {
     ampx_cu_module mod;
     ampx_cu_function scale[AMPX_NUM_REDUCE][2][2]; /* [reduce][write][scale]; NULL where no mode uses it */
     ampx_cu_function cast;
+    ampx_cu_function stats; /* tensor_stats */
     ampx_cu_function update;
     ampx_cu_function probe; /* an empty kernel: launched once to prove the device runs ampx's code */
     int launched;           /* the probe kernel ran to completion on this device */
@@ -185,7 +186,7 @@ typedef struct ampx_cu_tensor_s {
 } ampx_cu_tensor;
 
 typedef struct {
-    int kind;               /* AMPX_CU_SCALE or AMPX_CU_CAST */
+    int kind;               /* AMPX_CU_SCALE, AMPX_CU_CAST or AMPX_CU_STATS (rows: per_out) */
     int reduce, write, scale; /* scale kernel: AMPX_REDUCE_*, store, multiply */
     int stochastic;
     uint64_t seed, offset;
@@ -204,6 +205,7 @@ typedef struct {
     ampx_cu_function fn;
     int with_ws;
     uint32_t chunk_next; /* call-wide index of the next chunk */
+    ampx_cu_deviceptr acc_next; /* stats jobs: the next tensor's accumulator row in the workspace */
     ampx_cu_args args;
 } ampx_cu_launcher;
 
@@ -221,8 +223,9 @@ void ampx_cu_span_slots(const struct ampx_tensor_s *spans, int64_t m, ampx_cu_de
                         struct ampx_cu_tensor_s *out);
 
 /* Workspace bytes a job needs for these tensors (0: none), and its chunk
- * count (for ampx_cu_begin). -1 when the chunks do not fit the launcher's
- * 32-bit chunk indices. */
+ * count (for ampx_cu_begin; a stats job: its accumulator rows, one per tensor of
+ * more than one chunk). -1 when the chunks do not fit the launcher's 32-bit chunk
+ * indices. */
 int64_t ampx_cu_workspace_bytes(const ampx_cu_job *job, const ampx_cu_tensor *ts, int64_t n, int64_t *chunks);
 
 /* Starts a call over n tensors of `chunks` chunks (the workspace_bytes

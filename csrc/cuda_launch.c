@@ -17,6 +17,10 @@
  *   double pt[n]                       per-tensor reductions, for the total
  * Every tensor then has at least one chunk (an empty one has one of length 0),
  * so every tensor's outputs are written.
+ *
+ * A stats job (tensor_stats) always has outputs, its rows; its workspace is one
+ * accumulator row (cuda_args.h) per tensor of more than one chunk, zeroed by one
+ * memset, handed to the kernel as that tensor's src.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -38,7 +42,7 @@ static int64_t chunks_of(int64_t numel, int with_ws)
 
 static int wants_ws(const ampx_cu_job *job)
 {
-    return job->flags_out != 0 || job->per_out != 0 || job->total_out != 0;
+    return job->kind == AMPX_CU_STATS || job->flags_out != 0 || job->per_out != 0 || job->total_out != 0;
 }
 
 static int64_t align16(int64_t b) { return (b + 15) & ~(int64_t)15; }
@@ -51,6 +55,13 @@ int64_t ampx_cu_workspace_bytes(const ampx_cu_job *job, const ampx_cu_tensor *ts
     *chunks = 0;
     if (!wants_ws(job) || n == 0)
         return 0;
+    if (job->kind == AMPX_CU_STATS) {
+        int64_t rows = 0;
+        for (int64_t i = 0; i < n; i++)
+            rows += chunks_of(ts[i].numel, 1) > 1;
+        *chunks = rows;
+        return AMPX_CU_STATS_ROW_BYTES * rows;
+    }
     int64_t c = 0;
     for (int64_t i = 0; i < n; i++) {
         c += chunks_of(ts[i].numel, 1);
@@ -122,9 +133,28 @@ static ampx_cu_function pick(const ampx_cu_dev *dev, const ampx_cu_job *job)
 {
     if (job->kind == AMPX_CU_CAST)
         return dev->cast;
+    if (job->kind == AMPX_CU_STATS)
+        return dev->stats;
     if (job->reduce < 0 || job->reduce >= AMPX_NUM_REDUCE)
         return NULL;
     return dev->scale[job->reduce][job->write ? 1 : 0][job->scale ? 1 : 0];
+}
+
+/* A stats job's start: its rows, and its accumulator rows (`rows` of them at ws) zeroed. */
+static int stats_begin(ampx_cu_launcher *L, const ampx_cu_job *job, int64_t rows, ampx_cu_deviceptr ws,
+                       ampx_cu_error *err)
+{
+    L->args.per_out = job->per_out;
+    L->acc_next = ws;
+    if (rows == 0)
+        return 0;
+    if (ampx_cu_push(L->dev, err) < 0)
+        return -1;
+    int rc = ampx_cu_memset32(ws, 0u, (size_t)(AMPX_CU_STATS_ROW_BYTES / 4 * rows), L->stream, err);
+    ampx_cu_error ignored;
+    if (ampx_cu_pop(rc < 0 ? &ignored : err) < 0 && rc == 0)
+        rc = -1;
+    return rc;
 }
 
 int ampx_cu_begin(ampx_cu_launcher *L, const ampx_cu_dev *dev, ampx_cu_stream stream, const ampx_cu_job *job,
@@ -146,7 +176,7 @@ int ampx_cu_begin(ampx_cu_launcher *L, const ampx_cu_dev *dev, ampx_cu_stream st
     }
     ampx_cu_args *a = &L->args;
     a->kind = (uint32_t)job->kind;
-    a->reduce = job->kind == AMPX_CU_CAST ? AMPX_REDUCE_NONE : (uint32_t)job->reduce;
+    a->reduce = job->kind != AMPX_CU_SCALE ? AMPX_REDUCE_NONE : (uint32_t)job->reduce;
     a->check = job->found_inf != 0 || job->flags_out != 0;
     a->stochastic = (uint32_t)job->stochastic;
     a->seed = job->seed;
@@ -159,6 +189,8 @@ int ampx_cu_begin(ampx_cu_launcher *L, const ampx_cu_dev *dev, ampx_cu_stream st
     L->with_ws = wants_ws(job);
     if (!L->with_ws)
         return 0;
+    if (job->kind == AMPX_CU_STATS)
+        return stats_begin(L, job, chunks, ws, err);
     a->flags_out = job->flags_out;
     a->per_out = job->reduce != AMPX_REDUCE_NONE ? job->per_out : 0;
     a->total_out = job->reduce != AMPX_REDUCE_NONE ? job->total_out : 0;
@@ -227,6 +259,10 @@ int ampx_cu_add(ampx_cu_launcher *L, const ampx_cu_tensor *t, ampx_cu_error *err
     uint32_t s = a->ntensors++;
     a->ptr[s] = t->ptr;
     a->src[s] = t->src;
+    if (a->kind == AMPX_CU_STATS) {
+        a->src[s] = nch > 1 ? L->acc_next : 0;
+        L->acc_next += nch > 1 ? (ampx_cu_deviceptr)AMPX_CU_STATS_ROW_BYTES : 0;
+    }
     a->numel[s] = t->numel;
     a->dtype[s] = (uint8_t)t->dtype;
     a->src_dtype[s] = (uint8_t)t->src_dtype;

@@ -285,3 +285,47 @@ PyObject *py_update_scale(PyObject *module, PyObject *args, PyObject *kwargs)
         return NULL;
     return PyLong_FromLong(events);
 }
+
+/* tensor_stats(op, tensors, out, *, device=-1, nthreads=1, stream=0, alloc=None)
+ *
+ * Writes one row of AMPX_STATS_WIDTH float64 values per tensor (ampx_numerics.h) into `out`, a
+ * contiguous float64 tensor of len(tensors) * AMPX_STATS_WIDTH elements on the call's device
+ * that none of the tensors overlaps. Reads the tensors only. */
+PyObject *py_tensor_stats(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *kw[] = {"op", "tensors", "out", SITE_KEYWORDS, NULL};
+    mstate *st = state_of(module);
+    entry_call c;
+    memset(&c, 0, sizeof c);
+    site_defaults(&c.at, NULL);
+    PyObject *seq, *out_o;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOO|$" SITE_FORMAT ":tensor_stats", kw, &c.at.op, &seq, &out_o,
+                                     SITE_ARGS(c.at)))
+        return NULL;
+    if (state_ready(st) < 0)
+        return NULL;
+    const char *op = c.at.op;
+    if (tlist_gather(st, op, "tensors", seq, 0, 0, c.at.device, 0, &c.L) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    if (hold_if_released(st, &c, &c.L, NULL) < 0 ||
+        aux_ptr(st, op, "out", out_o, st->dtypes[AMPX_F64], (int64_t)c.L.n * AMPX_STATS_WIDTH, c.at.device,
+                &c.stats) < 0 ||
+        (c.release_gil && tlist_hold_output(st, &c.O, op, "out", out_o, c.stats) < 0))
+        goto done;
+    if (c.stats != NULL) {
+        uintptr_t lo = (uintptr_t)c.stats, hi = lo + (uintptr_t)c.L.n * AMPX_STATS_WIDTH * sizeof(double);
+        for (Py_ssize_t i = 0; i < c.L.n; i++)
+            if (c.L.ts[i].numel > 0 && c.L.lo[i] < hi && lo < c.L.hi[i]) {
+                PyErr_Format(PyExc_ValueError, "%s: out overlaps tensors[%zd]; pass an output of its own", op, i);
+                goto done;
+            }
+    }
+    if (c.L.n > 0 && (c.at.device < 0 ? cpu_tensor_stats(&c) : cuda_tensor_stats(st, &c)) < 0)
+        goto done;
+    result = new_ref(Py_None);
+done:
+    tlist_free(&c.L);
+    tlist_free(&c.O);
+    return result;
+}

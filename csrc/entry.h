@@ -54,6 +54,7 @@ typedef struct {
     int release_gil;              /* CPU: the storages are held, the GIL may be released (entry.c) */
     int split;                    /* CPU: AMPX_SPLIT_* (multi_tensor.h) */
     void *per_tensor, *total;
+    void *stats;                  /* tensor_stats: the float64 rows, AMPX_STATS_WIDTH per tensor */
     tlist L;
     /* cast: S holds the pairs (cast_prepare), D the destinations */
     int stochastic;
@@ -82,6 +83,8 @@ extern int64_t ampx_cu_span_tables_min_launches;
 int cpu_scale_reduce(mstate *st, entry_call *c);
 int cpu_cast(mstate *st, entry_call *c);
 int cpu_update_scale(const entry_update *u, int *events);
+int cpu_tensor_stats(entry_call *c);
+int cuda_tensor_stats(mstate *st, entry_call *c);
 int cuda_scale_reduce(mstate *st, entry_call *c);
 int cuda_cast(mstate *st, entry_call *c);
 int cuda_update_scale(const entry_update *u);
@@ -91,6 +94,7 @@ PyObject *py_scale_reduce(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_check_written(PyObject *module, PyObject *args);
 PyObject *py_cast(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_update_scale(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *py_tensor_stats(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_cuda_set_image(PyObject *module, PyObject *arg);
 PyObject *py_cuda_probe(PyObject *module, PyObject *arg);
 PyObject *py_cuda_device_info(PyObject *module, PyObject *arg);

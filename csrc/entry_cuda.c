@@ -1,6 +1,6 @@
 /*
- * entry_cuda.c: the CUDA runners of scale_reduce, cast and update_scale
- * (entry.h), and the Python functions that hand the fatbin over and ask about
+ * entry_cuda.c: the CUDA runners of scale_reduce, cast, tensor_stats and
+ * update_scale (entry.h), and the Python functions that hand the fatbin over and ask about
  * devices.
  *
  * A validated call goes through the multi-tensor launcher of cuda_launch.c on
@@ -429,4 +429,20 @@ PyObject *py_cuda_device_info(PyObject *module, PyObject *arg)
         return NULL;
     }
     return Py_BuildValue("(iiii)", dev->cc_major, dev->cc_minor, dev->sm_count, ampx_cu_driver_version());
+}
+
+/* One launch per AMPX_CU_MAX_TENSORS tensors into the rows at c->stats; a workspace (the
+ * accumulator rows of the tensors of more than one chunk) from alloc when one has any. */
+int cuda_tensor_stats(mstate *st, entry_call *c)
+{
+    ampx_cu_job job;
+    memset(&job, 0, sizeof job);
+    job.kind = AMPX_CU_STATS;
+    job.per_out = dptr(c->stats);
+    cuda_run r;
+    int rc = cuda_prepare(st, &c->at, &job, &c->L, SPANS_NONE, &r);
+    if (rc == 0)
+        rc = cuda_run_batched(&c->at, &job, &r, r.n);
+    cuda_run_free(&r);
+    return rc;
 }

@@ -223,6 +223,7 @@ static PyMethodDef methods[] = {
      "Raises what a write into a tensor list on a device would refuse; writes nothing."},
     {"cast", KW(py_cast), "Cast kernel between two tensor lists, on their device."},
     {"update_scale", KW(py_update_scale), "One loss-scale update of the tensors, on their device."},
+    {"tensor_stats", KW(py_tensor_stats), "Per-tensor statistics rows (ampx/stats.py) of a tensor list, on its device."},
     {"cuda_set_image", py_cuda_set_image, METH_O, "Hands the CUDA kernels' fatbin to the extension."},
     {"cuda_probe", py_cuda_probe, METH_O, "None if a CUDA device can run ampx's kernels, else why not."},
     {"cuda_device_info", py_cuda_device_info, METH_O,
@@ -259,6 +260,10 @@ static int add_constants(PyObject *m)
         PyModule_AddIntConstant(m, "MODE_CHECK", AMPX_M_CHECK) < 0 ||
         PyModule_AddIntConstant(m, "MODE_REDUCE_SHIFT", AMPX_M_REDUCE_SHIFT) < 0 ||
         PyModule_AddIntConstant(m, "FLAG_INF", AMPX_FLAG_INF) < 0 ||
+        PyModule_AddIntConstant(m, "STATS_WIDTH", AMPX_STATS_WIDTH) < 0 ||
+        PyModule_AddIntConstant(m, "STATS_HIST", AMPX_STATS_HIST) < 0 ||
+        PyModule_AddIntConstant(m, "STATS_EXP_MIN", AMPX_STATS_EXP_MIN) < 0 ||
+        PyModule_AddIntConstant(m, "STATS_EXP_MAX", AMPX_STATS_EXP_MAX) < 0 ||
         PyModule_AddIntConstant(m, "FLAG_NAN", AMPX_FLAG_NAN) < 0 ||
         PyModule_AddIntConstant(m, "UPD_BACKOFF", AMPX_UPD_BACKOFF) < 0 ||
         PyModule_AddIntConstant(m, "UPD_GROWTH", AMPX_UPD_GROWTH) < 0 ||

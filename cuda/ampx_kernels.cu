@@ -3,8 +3,9 @@
  * (SASS for sm_80, sm_86, sm_89, sm_90 and PTX for compute_90) and loaded at
  * run time through the driver API (csrc/cuda_driver.c).
  *
- * One multi-tensor loop (run_chunks) serves every data kernel. A launch carries
- * up to AMPX_CU_MAX_TENSORS tensors in its __grid_constant__ parameter block;
+ * One multi-tensor loop (run_chunks) serves the scale and cast kernels; tensor_stats,
+ * whose results are rows rather than reductions, walks the same chunks (its section).
+ * A launch carries up to AMPX_CU_MAX_TENSORS tensors in its __grid_constant__ parameter block;
  * each tensor is cut into chunks of AMPX_CU_CHUNK elements and each chunk is
  * the work of one block (blocks loop when the grid is capped). Within a chunk,
  * thread t owns the 16-byte vectors t, t + BLOCK, t + 2*BLOCK, ... and the
@@ -302,6 +303,37 @@ struct accum {
 
 __device__ __forceinline__ double ldcg_f64(const double *p) { return __ldcg(p); }
 
+/* Launch chunk c: its slot, its index j within the slot's tensor, that tensor's chunk count
+ * nch and the chunk's first element and length (0 for an empty tensor's one chunk). */
+struct chunk_t {
+    int slot;
+    uint32_t j, nch;
+    int64_t start, len;
+};
+
+__device__ __forceinline__ chunk_t chunk_at(const ampx_cu_args &a, uint32_t c)
+{
+    /* the slot owning chunk c: the last with first[slot] <= c (every slot has >= 1 chunk) */
+    int lo = 0, hi = (int)a.ntensors - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (a.first[mid] <= c)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    chunk_t k;
+    k.slot = lo;
+    k.j = c - a.first[lo];
+    k.nch = a.first[lo + 1] - a.first[lo];
+    k.start = (int64_t)k.j << AMPX_CU_CHUNK_LOG2;
+    int64_t len = a.numel[lo] - k.start;
+    if (len > AMPX_CU_CHUNK)
+        len = AMPX_CU_CHUNK;
+    k.len = len < 0 ? 0 : len;
+    return k;
+}
+
 /* Runs body(slot, start, len) over every chunk of the launch and publishes the
  * results as the header of this file describes. body returns this thread's
  * part of the chunk's result. */
@@ -313,25 +345,10 @@ __device__ __forceinline__ void run_chunks(const ampx_cu_args &a, int rd, Body &
     const bool with_ws = a.tcount != 0;
     float *found = reinterpret_cast<float *>(a.found_inf);
     for (uint32_t c = blockIdx.x; c < a.nchunks; c += gridDim.x) {
-        /* the slot owning chunk c: the last with first[slot] <= c (every slot has >= 1 chunk) */
-        int lo = 0, hi = (int)a.ntensors - 1;
-        while (lo < hi) {
-            int mid = (lo + hi + 1) >> 1;
-            if (a.first[mid] <= c)
-                lo = mid;
-            else
-                hi = mid - 1;
-        }
-        const int slot = lo;
-        const uint32_t j = c - a.first[slot];
-        const uint32_t nch = a.first[slot + 1] - a.first[slot];
-        const int64_t start = (int64_t)j << AMPX_CU_CHUNK_LOG2;
-        int64_t len = a.numel[slot] - start;
-        if (len > AMPX_CU_CHUNK)
-            len = AMPX_CU_CHUNK;
-        if (len < 0)
-            len = 0;
-        part_t r = body(slot, start, len);
+        const chunk_t ck = chunk_at(a, c);
+        const int slot = ck.slot;
+        const uint32_t j = ck.j, nch = ck.nch;
+        part_t r = body(slot, ck.start, ck.len);
 
         if (!with_ws) {
             if (found != nullptr) {
@@ -497,42 +514,18 @@ __device__ __forceinline__ bool keeps_nonfinite(float fs, double fd)
            fabs(fd) <= 1.0;
 }
 
-/* One chunk of a DT tensor: multiply (SC), store (WR), classify, reduce (RD);
- * in a span slot of `a`, non-finite inputs are noted by tensor (span_note). */
-template <int DT, int RD, bool WR, bool SC>
-__device__ __forceinline__ part_t scale_chunk(const ampx_cu_args &a, int slot, char *p, int64_t len, float fs,
-                                              double fd)
+/* Calls element(x) on each of the len elements of a DT chunk at p, widened to the compute
+ * type, and (WR) stores what it returns in their place. Thread tid owns vectors tid,
+ * tid + BLOCK, ... (U in flight) and, when it owns the next vector, the elements past the last
+ * full one; a chunk that is not 16-byte aligned is read by scalar loads in the same order. */
+template <int DT, bool WR, class F>
+__device__ __forceinline__ void walk_chunk(char *p, int64_t len, F &element)
 {
     typedef typename dt_info<DT>::compute T;
     constexpr int W = 16 / dt_info<DT>::size;
     constexpr int U = 4; /* vectors in flight per thread */
-    const T s = DT == AMPX_F64 ? (T)fd : (T)fs;
-    accum<RD, T> st;
     const int tid = threadIdx.x;
     const int64_t nvec = len / W;
-    /* span slots: note before writing when the stored values would not show the inputs */
-    const bool noting = a.tflags != 0, before = noting && WR && !keeps_nonfinite(fs, fd);
-    if (before)
-        note_elements<DT>(a, slot, p, len);
-
-    auto element = [&](T x) -> T {
-        st.input(x);
-        T y = x;
-        if (SC) {
-            if (DT == AMPX_F64)
-                y = (T)__dmul_rn((double)x, (double)s);
-            else
-                y = (T)__fmul_rn((float)x, (float)s);
-        }
-        if (RD) {
-            if (SC && (DT == AMPX_F16 || DT == AMPX_BF16))
-                st.reduce((T)round_to<DT>((float)y)); /* the value as stored */
-            else
-                st.reduce(y);
-        }
-        return y;
-    };
-
     if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
         int64_t v = tid;
         for (; v + (U - 1) * BLOCK < nvec; v += U * BLOCK) {
@@ -578,6 +571,41 @@ __device__ __forceinline__ part_t scale_chunk(const ampx_cu_args &a, int slot, c
                 sstore<DT>(p, e, y);
         }
     }
+}
+
+/* One chunk of a DT tensor: multiply (SC), store (WR), classify, reduce (RD);
+ * in a span slot of `a`, non-finite inputs are noted by tensor (span_note). */
+template <int DT, int RD, bool WR, bool SC>
+__device__ __forceinline__ part_t scale_chunk(const ampx_cu_args &a, int slot, char *p, int64_t len, float fs,
+                                              double fd)
+{
+    typedef typename dt_info<DT>::compute T;
+    const T s = DT == AMPX_F64 ? (T)fd : (T)fs;
+    accum<RD, T> st;
+    /* span slots: note before writing when the stored values would not show the inputs */
+    const bool noting = a.tflags != 0, before = noting && WR && !keeps_nonfinite(fs, fd);
+    if (before)
+        note_elements<DT>(a, slot, p, len);
+
+    auto element = [&](T x) -> T {
+        st.input(x);
+        T y = x;
+        if (SC) {
+            if (DT == AMPX_F64)
+                y = (T)__dmul_rn((double)x, (double)s);
+            else
+                y = (T)__fmul_rn((float)x, (float)s);
+        }
+        if (RD) {
+            if (SC && (DT == AMPX_F16 || DT == AMPX_BF16))
+                st.reduce((T)round_to<DT>((float)y)); /* the value as stored */
+            else
+                st.reduce(y);
+        }
+        return y;
+    };
+
+    walk_chunk<DT, WR>(p, len, element);
     const part_t r = st.result();
     if (noting && !before && r.flags != 0u)
         note_elements<DT>(a, slot, p, len);
@@ -839,6 +867,265 @@ extern "C" __global__ void __launch_bounds__(BLOCK, CAST_MIN_BLOCKS)
         __trap();
     cast_body body(a);
     run_chunks(a, AMPX_REDUCE_NONE, body);
+}
+
+/* ---- tensor_stats -------------------------------------------------------------- */
+
+/* One row per tensor in ampx/stats.py's layout (AMPX_STATS_* of ampx_numerics.h), from one
+ * read. A block counts its chunk into shared memory (a histogram bucket per finite non-zero
+ * value by shared atomics; the specials, the largest and the smallest magnitude per thread,
+ * then once per warp). A one-chunk tensor's block then writes the tensor's row itself; the
+ * chunks of a longer tensor add their counts into its accumulator row (cuda_args.h) with
+ * global atomics, and the block that counts the last of them writes the row. Counts, a max
+ * and a min: the rows do not depend on the order in which blocks run. float16 and bfloat16
+ * are counted as the float32 they widen to exactly; float64 by its own exponent, clamped to
+ * the end buckets. */
+
+/* The magnitudes compared as bits (monotonic for non-negative floats): float32's bits for the
+ * float32-valued types, float64's for float64. */
+template <int DT> struct stats_key { typedef uint32_t type; };
+template <> struct stats_key<AMPX_F64> { typedef unsigned long long type; };
+
+struct stats_smem {
+    unsigned hist[AMPX_STATS_BUCKETS];
+    unsigned special[4]; /* +inf, -inf, NaN, zero: the row's order from AMPX_STATS_POSINF */
+    unsigned long long amax, amin; /* float64 bits of the chunk's largest / smallest |x|; amin ~0: none */
+    int last;
+};
+
+static_assert(AMPX_STATS_NEGINF == AMPX_STATS_POSINF + 1 && AMPX_STATS_NAN == AMPX_STATS_POSINF + 2 &&
+                  AMPX_STATS_ZERO == AMPX_STATS_POSINF + 3,
+              "stats_smem.special follows the row's columns");
+
+/* The bucket of a finite non-zero float32 magnitude u (bits): floor(log2) + 1 - EXP_MIN, a
+ * subnormal's from its leading bit. */
+__device__ __forceinline__ int stats_bucket32(uint32_t u)
+{
+    static_assert(AMPX_STATS_EXP_MIN == -149 && AMPX_STATS_EXP_MAX == 127, "float32's exponents");
+    return u >= 0x00800000u ? (int)(u >> 23) + 23 : 32 - __clz((int)u);
+}
+
+/* The bucket of a finite non-zero float64 magnitude u (bits), clamped to the end buckets. */
+__device__ __forceinline__ int stats_bucket64(unsigned long long u)
+{
+    const int be = (int)(u >> 52);
+    const int e = be != 0 ? be - 1023 : (63 - __clzll((long long)u)) - 1074;
+    if (e < AMPX_STATS_EXP_MIN)
+        return 0;
+    if (e > AMPX_STATS_EXP_MAX)
+        return AMPX_STATS_BUCKETS - 1;
+    return 1 + e - AMPX_STATS_EXP_MIN;
+}
+
+/* One thread's share of a chunk. */
+template <int DT>
+struct stats_thread {
+    typedef typename stats_key<DT>::type K;
+    K mx, mn;         /* largest / smallest finite non-zero magnitude (bits); mn all ones: none */
+    unsigned pinf, ninf, nan, zero;
+    unsigned *hist; /* the block's histogram */
+
+    __device__ __forceinline__ stats_thread(unsigned *h)
+        : mx(0), mn((K)~(K)0), pinf(0u), ninf(0u), nan(0u), zero(0u), hist(h)
+    {
+    }
+
+    /* One element, as its float32 (or float64) value x. */
+    template <typename T>
+    __device__ __forceinline__ void add(T x)
+    {
+        K b, u, inf;
+        if (DT == AMPX_F64) {
+            b = (K)__double_as_longlong((double)x);
+            u = b & (K)0x7fffffffffffffffull;
+            inf = (K)0x7ff0000000000000ull;
+        } else {
+            b = (K)__float_as_uint((float)x);
+            u = b & (K)0x7fffffffu;
+            inf = (K)0x7f800000u;
+        }
+        if (u == 0) {
+            zero++;
+        } else if (u > inf) {
+            nan++;
+        } else if (u == inf) {
+            ninf += b != u;
+            pinf += b == u;
+        } else {
+            const int k = DT == AMPX_F64 ? stats_bucket64((unsigned long long)u) : stats_bucket32((uint32_t)u);
+            atomicAdd(&hist[k], 1u);
+            mx = u > mx ? u : mx;
+            mn = u < mn ? u : mn;
+        }
+    }
+
+    /* mx / mn as float64 bits (mn: ~0 for none). */
+    __device__ __forceinline__ unsigned long long max_bits() const
+    {
+        if (DT == AMPX_F64)
+            return (unsigned long long)mx;
+        return (unsigned long long)__double_as_longlong((double)__uint_as_float((uint32_t)mx));
+    }
+    __device__ __forceinline__ unsigned long long min_bits() const
+    {
+        if (mn == (K)~(K)0)
+            return ~0ull;
+        if (DT == AMPX_F64)
+            return (unsigned long long)mn;
+        return (unsigned long long)__double_as_longlong((double)__uint_as_float((uint32_t)mn));
+    }
+};
+
+/* Counts the len elements of a DT chunk at p into the thread's st (walk_chunk's ownership). */
+template <int DT>
+__device__ __forceinline__ void stats_chunk(const char *p, int64_t len, stats_thread<DT> &st)
+{
+    typedef typename dt_info<DT>::compute T;
+    auto element = [&](T x) -> T {
+        st.add(x);
+        return x;
+    };
+    walk_chunk<DT, false>(const_cast<char *>(p), len, element);
+}
+
+__device__ __forceinline__ unsigned long long u64_max(unsigned long long a, unsigned long long b)
+{
+    return a > b ? a : b;
+}
+__device__ __forceinline__ unsigned long long u64_min(unsigned long long a, unsigned long long b)
+{
+    return a < b ? a : b;
+}
+
+/* Adds the thread's specials, max and min into the block's sm (once per warp). */
+template <int DT>
+__device__ __forceinline__ void stats_block_add(const stats_thread<DT> &st, stats_smem &sm)
+{
+    unsigned long long mx = st.max_bits(), mn = st.min_bits();
+    unsigned sp[4] = {st.pinf, st.ninf, st.nan, st.zero}; /* the order of stats_smem.special */
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        mx = u64_max(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+        mn = u64_min(mn, __shfl_xor_sync(FULL_MASK, mn, o));
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            sp[k] += __shfl_xor_sync(FULL_MASK, sp[k], o);
+    }
+    if ((threadIdx.x & 31) == 0) {
+        if (mx != 0ull)
+            atomicMax(&sm.amax, mx);
+        if (mn != ~0ull)
+            atomicMin(&sm.amin, mn);
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            if (sp[k] != 0u)
+                atomicAdd(&sm.special[k], sp[k]);
+    }
+}
+
+/* Counts chunk ck of a DT tensor into the block's sm (zeroed). */
+template <int DT>
+__device__ __forceinline__ void stats_count(const ampx_cu_args &a, const chunk_t &ck, stats_smem &sm)
+{
+    stats_thread<DT> st(sm.hist);
+    stats_chunk<DT>(reinterpret_cast<const char *>(a.ptr[ck.slot]) + ck.start * dt_info<DT>::size, ck.len, st);
+    stats_block_add(st, sm);
+}
+
+/* Column k of the finished row of a one-chunk tensor of numel elements, from sm. */
+__device__ __forceinline__ double stats_column(const stats_smem &sm, int k, int64_t numel)
+{
+    if (k == AMPX_STATS_AMAX)
+        return __longlong_as_double((long long)sm.amax);
+    if (k == AMPX_STATS_AMIN)
+        return sm.amin == ~0ull ? __longlong_as_double(0x7ff0000000000000ll) : __longlong_as_double((long long)sm.amin);
+    if (k == AMPX_STATS_NUMEL)
+        return (double)numel;
+    if (k < AMPX_STATS_HIST)
+        return (double)sm.special[k - AMPX_STATS_POSINF];
+    return (double)sm.hist[k - AMPX_STATS_HIST];
+}
+
+/* Column k of the finished row of a several-chunk tensor, from its accumulator row acc. */
+__device__ __forceinline__ double stats_acc_column(const unsigned long long *acc, int k, int64_t numel)
+{
+    const unsigned long long v = __ldcg(&acc[k]);
+    if (k == AMPX_STATS_AMAX)
+        return __longlong_as_double((long long)v);
+    if (k == AMPX_STATS_AMIN)
+        return v == 0ull ? __longlong_as_double(0x7ff0000000000000ll) : __longlong_as_double((long long)~v);
+    if (k == AMPX_STATS_NUMEL)
+        return (double)numel;
+    return (double)v;
+}
+
+/* Publishes the block's counts of chunk ck (in sm) as the header of this section says. */
+__device__ __forceinline__ void stats_publish(const ampx_cu_args &a, const chunk_t &ck, stats_smem &sm)
+{
+    const int tid = threadIdx.x;
+    const int64_t numel = a.numel[ck.slot];
+    double *row = reinterpret_cast<double *>(a.per_out) + (int64_t)a.index[ck.slot] * AMPX_STATS_WIDTH;
+    unsigned long long *acc = reinterpret_cast<unsigned long long *>(a.src[ck.slot]);
+    if (acc == nullptr) { /* the tensor's only chunk */
+        for (int k = tid; k < AMPX_STATS_WIDTH; k += BLOCK)
+            row[k] = stats_column(sm, k, numel);
+        return;
+    }
+    for (int k = tid; k < AMPX_STATS_BUCKETS; k += BLOCK)
+        if (sm.hist[k] != 0u)
+            atomicAdd(&acc[AMPX_STATS_HIST + k], (unsigned long long)sm.hist[k]);
+    if (tid < 4 && sm.special[tid] != 0u)
+        atomicAdd(&acc[AMPX_STATS_POSINF + tid], (unsigned long long)sm.special[tid]);
+    if (tid == 0 && sm.amax != 0ull)
+        atomicMax(&acc[AMPX_STATS_AMAX], sm.amax);
+    if (tid == 0 && sm.amin != ~0ull)
+        atomicMax(&acc[AMPX_STATS_AMIN], ~sm.amin);
+    __threadfence(); /* every thread's adds, before the chunk is counted */
+    __syncthreads();
+    if (tid == 0)
+        sm.last = atomicAdd(&acc[AMPX_STATS_NUMEL], 1ull) == (unsigned long long)ck.nch - 1ull;
+    __syncthreads();
+    if (sm.last) {
+        __threadfence();
+        for (int k = tid; k < AMPX_STATS_WIDTH; k += BLOCK)
+            row[k] = stats_acc_column(acc, k, numel);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK) ampx_k_tensor_stats(const __grid_constant__ ampx_cu_args a)
+{
+    if (a.kind != AMPX_CU_STATS || a.per_out == 0)
+        __trap();
+    __shared__ stats_smem sm;
+    const int tid = threadIdx.x;
+    for (uint32_t c = blockIdx.x; c < a.nchunks; c += gridDim.x) {
+        const chunk_t ck = chunk_at(a, c);
+        __syncthreads(); /* the previous chunk's sm is read */
+        for (int k = tid; k < AMPX_STATS_BUCKETS; k += BLOCK)
+            sm.hist[k] = 0u;
+        if (tid < 4)
+            sm.special[tid] = 0u;
+        if (tid == 0) {
+            sm.amax = 0ull;
+            sm.amin = ~0ull;
+        }
+        __syncthreads();
+        switch (a.dtype[ck.slot]) {
+        case AMPX_F32:
+            stats_count<AMPX_F32>(a, ck, sm);
+            break;
+        case AMPX_F16:
+            stats_count<AMPX_F16>(a, ck, sm);
+            break;
+        case AMPX_BF16:
+            stats_count<AMPX_BF16>(a, ck, sm);
+            break;
+        default:
+            stats_count<AMPX_F64>(a, ck, sm);
+        }
+        __syncthreads();
+        stats_publish(a, ck, sm);
+    }
 }
 
 /* ---- the availability probe ----------------------------------------------------- */

@@ -13,9 +13,11 @@
  *             them, with span tables when flags are wanted)
  *     cast    stochastic seed offset rng_off factor factor_off found_off flags_off grid_cap n
  *             (rng_off: {seed, offset} as two uint64 in the arena, read by the kernel; -1: none)
+ *     stats   rows_off grid_cap n
+ *             (tensor_stats: n rows of AMPX_STATS_WIDTH float64 at rows_off)
  *     update  scale_off tracker_off hyst_off found_off events_off growth backoff interval
  *             hysteresis consecutive min max
- *   then, for scale and cast, one line per tensor: dtype src_dtype numel ptr_off src_off.
+ *   then, for scale, cast and stats, one line per tensor: dtype src_dtype numel ptr_off src_off.
  *   Offsets of -1 mean none. grid_cap > 0 caps the grid (so blocks loop over chunks).
  * Exit status 0, or 1 with a message on stderr.
  */
@@ -40,6 +42,7 @@ extern "C" {
 AMPX_SCALE_MODE_LIST(AMPX_X_DECLARE)
 #undef AMPX_X_DECLARE
 void ampx_k_cast(const ampx_cu_args a);
+void ampx_k_tensor_stats(const ampx_cu_args a);
 void ampx_k_update_scale(const ampx_cu_update_args a);
 }
 
@@ -205,6 +208,7 @@ int main(int argc, char **argv)
     AMPX_SCALE_MODE_LIST(AMPX_X_SLOT)
 #undef AMPX_X_SLOT
     dev.cast = (ampx_cu_function)(void *)&ampx_k_cast;
+    dev.stats = (ampx_cu_function)(void *)&ampx_k_tensor_stats;
     dev.update = (ampx_cu_function)(void *)&ampx_k_update_scale;
     ampx_cu_error err;
     memset(&err, 0, sizeof err);
@@ -235,7 +239,7 @@ int main(int argc, char **argv)
     } else {
         ampx_cu_job job;
         memset(&job, 0, sizeof job);
-        long long factor_off, found_off, flags_off, per_off = -1, total_off = -1;
+        long long factor_off = -1, found_off = -1, flags_off = -1, per_off = -1, total_off = -1;
         int sequential = 0, cap = 0, n = 0, spans = 0;
         if (strcmp(kind, "scale") == 0) {
             job.kind = AMPX_CU_SCALE;
@@ -253,6 +257,10 @@ int main(int argc, char **argv)
             job.seed = seed;
             job.offset = offset;
             job.rng = dptr(rng_off);
+        } else if (strcmp(kind, "stats") == 0) {
+            job.kind = AMPX_CU_STATS;
+            if (fscanf(fj, "%lld %d %d", &per_off, &cap, &n) != 3)
+                return fail("bad stats job");
         } else {
             return fail("unknown job kind");
         }

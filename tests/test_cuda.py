@@ -212,9 +212,10 @@ int ampx_cu_launch(ampx_cu_function f, unsigned grid, unsigned block, ampx_cu_st
 {
     (void)f; (void)s; (void)what; (void)err;
     const ampx_cu_args *a = (const ampx_cu_args *)args;
-    printf("launch %u %u %u %u %u %d %llu %llu %llu %llu %llu\n", grid, block, a->ntensors, a->nchunks,
+    printf("launch %u %u %u %u %u %d %llu %llu %llu %llu %llu %u %llu\n", grid, block, a->ntensors, a->nchunks,
            a->chunk_base, depth, (unsigned long long)a->tcount, (unsigned long long)a->done,
-           (unsigned long long)a->partials, (unsigned long long)a->pt, (unsigned long long)a->flags_out);
+           (unsigned long long)a->partials, (unsigned long long)a->pt, (unsigned long long)a->flags_out, a->kind,
+           (unsigned long long)a->per_out);
     for (uint32_t c = 0; c < a->nchunks; c++) {
         int lo = 0, hi = (int)a->ntensors - 1;
         while (lo < hi) {
@@ -226,16 +227,17 @@ int ampx_cu_launch(ampx_cu_function f, unsigned grid, unsigned block, ampx_cu_st
         int64_t len = a->numel[lo] - start;
         if (len > AMPX_CU_CHUNK) len = AMPX_CU_CHUNK;
         if (len < 0) len = 0;
-        printf("chunk %u %lld %lld %u %u %llu %d\n", a->index[lo], (long long)start, (long long)len,
-               a->chunk_base + a->first[lo] + j, nch, (unsigned long long)a->ptr[lo], a->dtype[lo]);
+        printf("chunk %u %lld %lld %u %u %llu %d %llu\n", a->index[lo], (long long)start, (long long)len,
+               a->chunk_base + a->first[lo] + j, nch, (unsigned long long)a->ptr[lo], a->dtype[lo],
+               (unsigned long long)a->src[lo]);
     }
     return 0;
 }
 
 int main(void)
 {
-    int n, with_flags, with_total, sequential;
-    if (scanf("%d %d %d %d", &n, &with_flags, &with_total, &sequential) != 4) return 2;
+    int n, with_flags, with_total, sequential, stats;
+    if (scanf("%d %d %d %d %d", &n, &with_flags, &with_total, &sequential, &stats) != 5) return 2;
     ampx_cu_tensor *ts = calloc((size_t)n + 1, sizeof *ts);
     for (int i = 0; i < n; i++) {
         long long numel; int dt;
@@ -246,11 +248,16 @@ int main(void)
     ampx_cu_job job; memset(&job, 0, sizeof job);
     job.kind = AMPX_CU_SCALE; job.reduce = with_total ? 1 : 0; job.write = 1; job.scale = 1;
     job.flags_out = with_flags ? 0xF1A60000ull : 0; job.total_out = with_total ? 0x7074000ull : 0;
+    if (stats) { /* tensor_stats: rows only */
+        memset(&job, 0, sizeof job);
+        job.kind = AMPX_CU_STATS; job.per_out = 0x57A70000ull;
+    }
     int64_t chunks = 0;
     int64_t bytes = ampx_cu_workspace_bytes(&job, ts, n, &chunks);
     printf("ws %lld %lld\n", (long long)bytes, (long long)chunks);
     static ampx_cu_dev dev;
     dev.scale[job.reduce][1][1] = (ampx_cu_function)&dev; /* any non-NULL */
+    dev.stats = (ampx_cu_function)&dev;
     static ampx_cu_launcher L;
     ampx_cu_error err;
     uint64_t ws = bytes > 0 ? 0x5000000000ull : 0;
@@ -281,9 +288,9 @@ def fake_launcher(tmp_path_factory):
     return str(exe)
 
 
-def _run_fake(exe, numels, flags, total, sequential, dtypes=None):
+def _run_fake(exe, numels, flags, total, sequential, dtypes=None, stats=False):
     dtypes = dtypes or [0] * len(numels)
-    inp = f"{len(numels)} {int(flags)} {int(total)} {int(sequential)}\n" + "".join(
+    inp = f"{len(numels)} {int(flags)} {int(total)} {int(sequential)} {int(stats)}\n" + "".join(
         f"{n} {dt}\n" for n, dt in zip(numels, dtypes))
     out = subprocess.run([exe], input=inp, capture_output=True, text=True, check=True).stdout.split("\n")
     return [line.split() for line in out if line]
@@ -360,6 +367,36 @@ def test_launcher_covers_every_element_once(fake_launcher, case, outputs, sequen
             assert start == pos and 0 < length <= CHUNK, (i, spans[:3])
             pos += length
         assert pos == n
+
+
+@pytest.mark.parametrize("case", ["small", "launch_edges", "big", "empties", "mixed"])
+def test_launcher_gives_a_stats_job_one_accumulator_row_per_long_tensor(fake_launcher, case):
+    """tensor_stats: every tensor gets its chunks (an empty one, one of length 0) so its row is
+    written; each tensor of several chunks its own accumulator row of the workspace (its src),
+    zeroed by one memset; one-chunk tensors none."""
+    rng = np.random.default_rng(len(case))
+    numels = {"small": [1, 5, 1000], "launch_edges": [int(rng.integers(0, 300)) for _ in range(2 * MAX_T + 3)],
+              "big": [CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5, 17, 2 * CHUNK],
+              "empties": [0, 0, 5, 0, CHUNK + 1, 0],
+              "mixed": [int(rng.integers(0, 3 * CHUNK)) for _ in range(300)]}[case]
+    rows = _run_fake(fake_launcher, numels, False, False, False, stats=True)
+    ws_bytes, nacc = int(rows[0][1]), int(rows[0][2])
+    row_bytes, ws = 8 * _C.STATS_WIDTH, 0x5000000000
+    long_ones = [i for i, n in enumerate(numels) if n > CHUNK]
+    assert nacc == len(long_ones) and ws_bytes == row_bytes * nacc and rows[-1] == ["end", "0"]
+    memsets = [r for r in rows if r[0] == "memset"]
+    assert memsets == ([["memset", str(ws), "0", str(ws_bytes // 4), "1"]] if nacc else [])
+    src, covered = {}, {i: 0 for i in range(len(numels))}
+    for r in rows:
+        if r[0] == "launch":
+            assert int(r[12]) == 2 and int(r[13]) == 0x57A70000  # AMPX_CU_STATS (cuda_args.h), the rows
+        elif r[0] == "chunk":
+            idx, length = int(r[1]), int(r[3])
+            covered[idx] += length
+            src.setdefault(idx, set()).add(int(r[8]))
+    assert covered == dict(enumerate(numels)) and sorted(src) == list(range(len(numels)))
+    for i in range(len(numels)):
+        assert src[i] == ({ws + row_bytes * long_ones.index(i)} if i in long_ones else {0}), i
 
 
 # ---- the stochastic-rounding hash, reimplemented --------------------------------------------
@@ -553,6 +590,18 @@ class Emulator:
         out["found"] = Arena.read(buf, found_o, torch.float32, 1) if found else None
         out["flags"] = Arena.read(buf, flags_o, torch.uint8, n) if flags else None
         return out
+
+    def stats(self, tensors, *, grid_cap=0, mis=0):
+        """tensor_stats' rows ([n, WIDTH] float64) of tensors, each starting `mis` elements past a
+        256-byte boundary; the rows start out as garbage (the kernel must write every column)."""
+        ar = Arena()
+        offs = [ar.tensor(t, mis) for t in tensors]
+        n, width = len(tensors), _C.STATS_WIDTH
+        rows_o = ar.put(b"\xee" * 8 * width * n)
+        job = f"stats {rows_o} {grid_cap} {n}\n"
+        job += "".join(f"{DT_CODE[t.dtype]} 0 {t.numel()} {o} -1\n" for t, o in zip(tensors, offs))
+        buf = self.run(job, ar)
+        return Arena.read(buf, rows_o, torch.float64, n * width).reshape(n, width)
 
 
 def _emu_sizes(block, big=True):

@@ -80,7 +80,8 @@ def test_overflow_report_waits_for_every_gradient_devices_stream(monkeypatch):
     scale, found = torch.tensor([1024.0]), torch.tensor([1.0])
     pending = telemetry._Pending(7, scale, found, 0, [[(p0, flags0)], [(p1, flags1)]])
     assert not pending.ready()  # d1 has not run its copy yet
-    step, s, skipped, events, sources = pending.values()
+    step, s, skipped, events, sources, trace = pending.values()
+    assert trace is None  # no monitor
     assert (step, s, skipped) == (7, 1024.0, True)
     report = ampx.GradScaler("cpu")._make_report(step, sources)
     assert report.nan == ["param[1] (5,)"] and report.inf == [], report

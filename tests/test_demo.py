@@ -280,3 +280,18 @@ def test_main_usage(argv, rc, capsys):
 def test_main_from_the_command_line():
     p = subprocess.run([sys.executable, "-m", "ampx", "train"], capture_output=True, text=True)
     assert p.returncode == 2 and "usage:" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_demo_doctor_finds_the_layer_it_pushed(tmp_path, capsys):
+    """``--doctor``: the forced overflow in net.2 is reported as a forward overflow there, while
+    the parameters' report names every parameter; the table and the PNG are written."""
+    out = tmp_path / "doctor.png"
+    rc = demo.main(["--doctor", "--steps", "60", "--batch", "16", "--corpus-bytes", "60000", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "Origin found by ampx: forward pass, module net.2 (Linear), output 0, inf in float16" in text
+    assert re.search(r"Parameters with inf/NaN gradients at step 30: 7 of 7", text)
+    assert "Advice: net.2 (Linear) output 0 overflowed float16" in text
+    assert "fp16 headroom" in text and "statistics of step 50" in text
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

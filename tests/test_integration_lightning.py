@@ -195,6 +195,26 @@ def test_one_injected_overflow_skips_that_step_only(precision, kind, caplog):
         assert plugin.scaler.get_scale() == 1.0
 
 
+def test_monitor_watches_the_module_and_explains_the_skip():
+    """AmpxPrecision(monitor={"every": 4}): one argument; the skipped step's report carries the
+    origin (the injected gradient of net.2.weight, no hooked tensor being non-finite) and advice,
+    statistics are kept, and the parameters end as without a monitor."""
+    data, bad = batches(12), 5
+    runs = {}
+    for name, kw in (("watched", {"monitor": {"every": 4}}), ("plain", {})):
+        model = Net("foreach", inject_at={bad}, inject_name="net.2.weight")
+        plugin = AmpxPrecision("16-mixed", **kw)
+        fit(model, plugin, data)
+        runs[name] = (model, plugin)
+    model, plugin = runs["watched"]
+    assert isinstance(plugin.monitor, ampx.PrecisionMonitor) and plugin.monitor._scaler is plugin.scaler
+    report = plugin.scaler.overflow_report()
+    assert report.origin["tensor"] == "gradient of net.2.weight" and report.advice
+    assert plugin.monitor.rows() and runs["plain"][1].monitor is None
+    for p, q in zip(model.parameters(), runs["plain"][0].parameters()):
+        assert torch.equal(p, q)
+
+
 def test_stock_plugin_advances_the_schedule_on_a_skipped_step():
     """What the plugin fixes: with Lightning's own MixedPrecision the LR moves on a skipped step."""
     model = Net("foreach", inject_at={3})

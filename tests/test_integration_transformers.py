@@ -81,7 +81,7 @@ class Record(TrainerCallback):
 
 
 def _trainer(tmp_path, precision, kind=None, *, accum=1, steps=STEPS, inf_steps=(INF_STEP,), scaler=SCALER,
-             model=None, grad_buffer=False, **args):
+             model=None, grad_buffer=False, monitor=None, **args):
     model = model or _model()
     args = TrainingArguments(str(tmp_path), **{**dict(
         use_cpu=True, report_to=[], disable_tqdm=True, max_steps=steps, per_device_train_batch_size=BATCH,
@@ -90,7 +90,8 @@ def _trainer(tmp_path, precision, kind=None, *, accum=1, steps=STEPS, inf_steps=
     record = Record(inf_steps, accum)
     optimizers = (adamw(model.parameters(), kind), None) if kind else (None, None)
     trainer = Trainer(model=model, args=args, train_dataset=_data(BATCH * accum * 8), callbacks=[record],
-                      optimizers=optimizers, ampx_scaler=scaler, ampx_grad_buffer=grad_buffer)
+                      optimizers=optimizers, ampx_scaler=scaler, ampx_grad_buffer=grad_buffer,
+                      ampx_monitor=monitor)
     trainer.model_accepts_loss_kwargs = False  # a per-batch mean loss, which the direct loop repeats
     record.trainer = trainer
     return trainer, record
@@ -131,6 +132,25 @@ def test_skip_clip_logs_and_parity(precision, kind, tmp_path, fresh_accelerate):
     ref, ref_scaler = _direct(precision, kind)
     assert scaler.get_scale() == ref_scaler.get_scale()
     assert_same_params(trainer.model, ref)
+
+
+def test_ampx_monitor_explains_the_skip_and_changes_nothing(tmp_path, fresh_accelerate):
+    """ampx_monitor={"every": 2}: the Trainer's model is watched (one argument), the skipped step's
+    report carries an origin (here the injected gradient: no hooked tensor was non-finite) and
+    advice, the statistics are there, and the run ends where the unwatched one does."""
+    import ampx
+
+    trainer, record = _trainer(tmp_path / "m", "fp16", monitor={"every": 2})
+    trainer.train()
+    assert_skipped_only(record.rows, INF_STEP)
+    mon = trainer.accelerator.ampx_monitor
+    assert isinstance(mon, ampx.PrecisionMonitor) and mon._scaler is trainer.accelerator.scaler
+    r = trainer.accelerator.scaler.overflow_report()
+    assert r.origin["tensor"] == f"gradient of {NAME}" and r.advice
+    assert any(row["module"].endswith("mlp.c_fc") for row in mon.rows())
+    plain, _ = _trainer(tmp_path / "p", "fp16")
+    plain.train()
+    assert_same_params(trainer.model, plain.model)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])

@@ -160,6 +160,7 @@ def _opcheck_args(name):
                           False, 0.0, math.inf),
         "_scaler_unscale_": (xs, _C.REDUCE_SUMSQ, s["inv"], None, fi, fl, False, ops.SPLIT_DYNAMIC),
         "_scaler_check": (xs, _C.REDUCE_NONE, None, None, fi, fl, False, ops.SPLIT_ELEMENTWISE),
+        "tensor_stats": (xs,),
     }[name]
 
 

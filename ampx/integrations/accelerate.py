@@ -69,7 +69,7 @@ class AmpxAcceleratedOptimizer(AcceleratedOptimizer):
         return bool(self._is_overflow)
 
 
-def patch(accelerator, *, grad_buffer=False, **scaler_kwargs):
+def patch(accelerator, *, grad_buffer=False, monitor=None, **scaler_kwargs):
     """Puts ampx's GradScaler, fused clip and truthful skipped steps into ``accelerator``.
 
     Call it right after creating the accelerator, before ``prepare`` (optimizers and models
@@ -83,6 +83,10 @@ def patch(accelerator, *, grad_buffer=False, **scaler_kwargs):
             ``ampx.GradBuffer`` over its parameters, kept as ``optimizer.ampx_grad_buffer``.
             Raises ValueError if a prepared model is DDP with ``gradient_as_bucket_view=True``
             (its buckets are contiguous already).
+        monitor: True, or a dict of ``ampx.PrecisionMonitor`` settings (``{"every": 100,
+            "modules": "model.layers.*"}``), to watch the first model the accelerator prepares:
+            overflow reports (``accelerator.scaler.overflow_report()``) then carry the origin and
+            advice, and ``accelerator.ampx_monitor`` is the monitor (its ``report()``, ``plot()``).
         **scaler_kwargs: ``ampx.GradScaler`` settings; they override the accelerator's
             ``GradScalerKwargs``. ``named_parameters`` is filled in from each prepared model.
     """
@@ -104,6 +108,7 @@ def patch(accelerator, *, grad_buffer=False, **scaler_kwargs):
         return accelerator
     device = accelerator.device.type
     scaler = _make_scaler(accelerator, precision, device, scaler_kwargs)  # a bad setting raises before any change
+    monitor_kwargs = _monitor_kwargs(monitor)
     if precision == "fp16" and not accelerator.native_amp:
         logger.info("ampx: mixed_precision='fp16' on %s, which Accelerate would run in float32: ampx runs "
                     "float16 autocast with its GradScaler instead", device)
@@ -113,6 +118,8 @@ def patch(accelerator, *, grad_buffer=False, **scaler_kwargs):
                            "call patch() before prepare()", len(accelerator._models))
     accelerator.scaler = scaler
     accelerator._ampx_grad_buffer = bool(grad_buffer)
+    accelerator._ampx_monitor_kwargs = monitor_kwargs
+    accelerator.ampx_monitor = None
     for name, method in _METHODS.items():
         setattr(accelerator, name, MethodType(method, accelerator))
     for model in accelerator._models:
@@ -162,9 +169,29 @@ def _give_buffer(opt, accelerator):
         opt.ampx_grad_buffer = GradBuffer(resolve_optimizer(opt, "GradBuffer"), replace=True)
 
 
+def _monitor_kwargs(monitor, who="ampx.integrations.accelerate.patch"):
+    """An integration's monitor= as PrecisionMonitor keywords, or None (checked before any change)."""
+    if monitor is None or monitor is False:
+        return None
+    if monitor is True:
+        return {}
+    if isinstance(monitor, dict):
+        unknown = set(monitor) - {"every", "modules", "leaf_only"}
+        if unknown:
+            raise TypeError(f"{who}: monitor= takes every, modules and leaf_only, not "
+                            f"{', '.join(sorted(unknown))}")
+        return dict(monitor)
+    raise TypeError(f"{who}: monitor must be True or a dict of ampx.PrecisionMonitor "
+                    f"settings, not {type(monitor).__name__}")
+
+
 def _watch(accelerator, model):
     if isinstance(accelerator.scaler, GradScaler):
-        accelerator.scaler.watch(accelerator.unwrap_model(model).named_parameters())
+        inner = accelerator.unwrap_model(model)
+        accelerator.scaler.watch(inner.named_parameters())
+        kw = getattr(accelerator, "_ampx_monitor_kwargs", None)
+        if kw is not None and isinstance(inner, torch.nn.Module) and accelerator.scaler._monitor is None:
+            accelerator.ampx_monitor = accelerator.scaler.monitor(inner, **kw)
 
 
 # ---- the accelerator's methods, as patch() installs them on the instance -----------------------

@@ -69,6 +69,9 @@ class AmpxPrecision(MixedPrecision):
             connects the plugin (the model on its device): every gradient a view of one flat
             buffer per dtype and device until the fit ends (README, "Contiguous gradients").
             Not with DDP's ``gradient_as_bucket_view=True``.
+        monitor: True, or a dict of ``ampx.PrecisionMonitor`` settings (``{"every": 100}``), to
+            watch the LightningModule from its first training step: the scaler's overflow reports
+            carry the origin and advice; ``plugin.monitor`` is the monitor (``report()``, ``plot()``).
         **scaler_kwargs: ``ampx.GradScaler`` keywords (``hysteresis=2``, ``init_scale``,
             ``growth_interval``, ``min_scale``, ``on_overflow`` ...).
 
@@ -86,7 +89,7 @@ class AmpxPrecision(MixedPrecision):
     """
 
     def __init__(self, precision="16-mixed", device=None, scaler=None, *, log_stats=False, grad_buffer=False,
-                 **scaler_kwargs):
+                 monitor=None, **scaler_kwargs):
         if precision not in PRECISIONS:
             # Lightning's own wording (its tests match on it), then ampx's
             raise ValueError(f"`Passed `AmpxPrecision(precision={precision!r})`. Precision must be '16-mixed' or "
@@ -97,6 +100,10 @@ class AmpxPrecision(MixedPrecision):
         if scaler is not None and scaler_kwargs:
             raise TypeError(f"AmpxPrecision: pass either scaler or scaler keywords, not both "
                             f"(got {sorted(scaler_kwargs)})")
+        from .accelerate import _monitor_kwargs
+
+        self._monitor_kwargs = _monitor_kwargs(monitor, "AmpxPrecision")
+        self.monitor = None
         self._device_given = device is not None
         self._scaler_given = scaler is not None
         self._scaler_kwargs = dict(BF16_DEFAULTS if precision == "bf16-mixed" else {}, **scaler_kwargs)
@@ -249,6 +256,11 @@ class AmpxPrecision(MixedPrecision):
         if self._watched != id(model):
             self.scaler.watch(model.named_parameters())  # overflow reports name the parameters
             self._watched = id(model)
+        if self._monitor_kwargs is not None and (self.monitor is None or self.monitor._scaler is not self.scaler
+                                                 or self.monitor._model is not model):
+            if self.monitor is not None:
+                self.monitor.remove()
+            self.monitor = self.scaler.monitor(model, **self._monitor_kwargs)
 
     # ---- clipping ----------------------------------------------------------------------------
 

@@ -29,17 +29,20 @@ class AmpxTrainerMixin:
             ``ampx.integrations.accelerate.patch``; the other arguments are the Trainer's.
         ampx_grad_buffer: give the Trainer's optimizer an ``ampx.GradBuffer`` when the
             accelerator prepares it (``trainer.optimizer.ampx_grad_buffer``).
+        ampx_monitor: True or a dict of ``ampx.PrecisionMonitor`` settings: the model is watched
+            and overflow reports carry the origin and advice (``trainer.accelerator.ampx_monitor``).
     """
 
-    def __init__(self, *args, ampx_scaler=None, ampx_grad_buffer=False, **kwargs):
+    def __init__(self, *args, ampx_scaler=None, ampx_grad_buffer=False, ampx_monitor=None, **kwargs):
         # set before the Trainer's __init__, which creates the first accelerator
         self.ampx_scaler_kwargs = dict(ampx_scaler or {})
         self.ampx_grad_buffer = bool(ampx_grad_buffer)
+        self.ampx_monitor = ampx_monitor
         super().__init__(*args, **kwargs)
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
-        patch(self.accelerator, grad_buffer=self.ampx_grad_buffer, **self.ampx_scaler_kwargs)
+        patch(self.accelerator, grad_buffer=self.ampx_grad_buffer, monitor=self.ampx_monitor, **self.ampx_scaler_kwargs)
 
     def log(self, logs, *args, **kwargs):
         """The Trainer's ``log``; a training log (one with ``loss``) also gets the loss scale and
