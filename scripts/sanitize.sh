@@ -23,4 +23,5 @@ LD_PRELOAD="$asan:$ubsan" ASAN_OPTIONS=detect_leaks=0 \
   tests/test_numerics.py tests/test_refcounts.py tests/test_threads.py tests/test_cuda.py \
   tests/test_tensor_shim.py tests/test_errors_table.py tests/test_versions.py tests/test_coalesce.py \
   tests/test_storage_hold.py tests/test_storage_bounds.py tests/test_cuda_driver.py tests/test_cuda_graphs.py tests/test_split.py \
-  -k "not emulated and not launcher"
+  tests/test_tensor_stats.py tests/test_doctor.py \
+  -k "not emulated and not launcher and not compiled_fullgraph and not over_2_to_the_31"
