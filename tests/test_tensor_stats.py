@@ -6,11 +6,9 @@ format and the formats' extremes. Then what it refuses, and the torch op torch s
 kernel: test_tensor_stats_cuda.py.)"""
 import math
 
-import numpy as np
 import pytest
 import torch
 
-import ampx
 from ampx import _C, ops
 from ampx import stats as S
 
@@ -177,6 +175,8 @@ def test_fake_and_meta_give_the_shape_and_refuse_what_the_kernel_refuses():
         assert got.shape == (2, S.WIDTH) and got.dtype == torch.float64
         with pytest.raises(TypeError, match=r"tensors\[0\] has dtype torch.int64"):
             ops.tensor_stats([torch.empty(3, dtype=torch.int64)])
+        with pytest.raises(ValueError, match="out= is taken only eagerly"):
+            ops.tensor_stats([torch.empty(3)], out=torch.empty(1, S.WIDTH, dtype=torch.float64))
     meta = ops.tensor_stats([torch.empty(5, device="meta")])
     assert meta.device.type == "meta" and meta.shape == (1, S.WIDTH)
 
@@ -222,5 +222,3 @@ def test_cuda_tensors_give_the_cpu_rows(rng):
     assert got.device.type == "cuda"
     assert torch.equal(got.cpu(), ops.tensor_stats(tensors))
 
-
-_ = (np, ampx)
