@@ -147,6 +147,7 @@ class PrecisionMonitor:
         self.last_origin = None
         self._handles = []
         self._scaler = None
+        self._flagged_ranks = None  # this step's sharding.FlaggedRanks, set by a sharded scaler
         self._hook_all()
         if scaler is not None:
             scaler._attach_monitor(self)
@@ -259,6 +260,13 @@ class PrecisionMonitor:
 
     # ---- steps ------------------------------------------------------------------------
 
+    def _flagged_now(self):
+        """Whether a hooked tensor of the step so far was non-finite: a 0/1 device tensor (no
+        host read), for the sharded scaler's one collective; None before any hooked call."""
+        if not self._used:
+            return None
+        return (self._buf[:self._used] != 0).any()
+
     def _end_step(self, scale=None):
         """Closes the step: returns its _Trace and starts the next.
         ``scale``: the scaler's scale tensor before its update (copied: the step's scale, read
@@ -275,6 +283,7 @@ class PrecisionMonitor:
             self._rows_step = self.steps
             self._pending_rows = {}
         trace.consumer = self._consumer
+        trace.flagged_ranks, self._flagged_ranks = self._flagged_ranks, None
         self._calls = []
         self._producers = {}
         self._consumer = {}
@@ -296,7 +305,7 @@ class PrecisionMonitor:
         """The origin dict of a trace, or None when no hooked tensor was non-finite."""
         found = trace.first_nonfinite()
         if found is None:
-            return None
+            return _remote_origin(trace)
         phase, name, index, bits = found
         key = (phase, name, index)
         row = self._rows_for(trace.step)[1].get(key)
@@ -402,10 +411,24 @@ def _param_amax(module):
     on an overflow only, to tell a weight that autocast's cast made inf from an activation."""
     if module is None:
         return None
-    ps = [p.detach() for p in module.parameters(recurse=False) if p.is_floating_point() and p.numel()]
+    # A sharded parameter (an FSDP2 DTensor) is read through its local shard: a DTensor's own
+    # reduction would be a collective that only this rank, the one that overflowed, enters.
+    ps = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters(recurse=False)]
+    ps = [p.detach() for p in ps if p.is_floating_point() and p.numel()]
     if not ps:
         return None
     return max(float(torch.nan_to_num(p.abs().float(), nan=0.0, posinf=0.0).max()) for p in ps)
+
+
+def _remote_origin(trace):
+    """The origin of a step whose first non-finite value another rank's monitor saw (the
+    sharded scaler's collective says which rank), or None."""
+    ranks = getattr(trace, "flagged_ranks", None)
+    first = ranks.first() if ranks is not None else None
+    if first is None or first == _rank():
+        return None
+    return {"phase": None, "module": None, "tensor": None, "kind": None, "dtype": None, "amax_before": None,
+            "module_type": None, "param_amax": None, "rank": first, "seen_on": _rank()}
 
 
 def _rank():

@@ -82,6 +82,24 @@ def _floor(monitor, scale, step):
             "Train in bfloat16, whose range needs no loss scale.")
 
 
+def _remote(origin):
+    here = origin.get("seen_on")
+    return (f"The first non-finite value of this step appeared on rank {origin['rank']}, whose report names the "
+            f"module and the pass; every monitored tensor on this rank{f' ({here})' if here is not None else ''} "
+            "was finite, and its gradients became non-finite through the gradient reduction.")
+
+
+def _replicas():
+    """What to add when the gradients were averaged over several ranks (DDP) and no collective
+    said which rank's monitor saw the first non-finite value."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return ""
+    return (f" No monitored tensor on this rank ({dist.get_rank()}) was non-finite, and gradients are averaged "
+            "over the ranks: if another rank's report names a module, the value came from there.")
+
+
 def param_origin(report, monitor):
     """An origin for an overflow seen only in parameter gradients (no hooked tensor flagged):
     the first named parameter and the module that owns it."""
@@ -101,11 +119,13 @@ def advise(report, monitor, scale, at_floor, step):
     parts = []
     origin = report.origin
     if origin is not None:
-        if origin["phase"] == "forward":
+        if origin["phase"] is None:
+            parts.append(_remote(origin))
+        elif origin["phase"] == "forward":
             parts.append(_forward(origin))
         elif origin["tensor"].startswith("gradient of "):
             parts.append(f"The {origin['tensor']} overflowed as it was computed, at loss scale {_pow2(scale)}: "
-                         "lower init_scale, or keep that parameter's module in float32.")
+                         "lower init_scale, or keep that parameter's module in float32." + _replicas())
         else:
             parts.append(_backward(origin, scale))
     if at_floor:

@@ -247,7 +247,11 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                 found = sum(f.to(found_inf.device) for f in per_device.values())
             else:
                 found = next(iter(per_device.values()))
-        found, total = agree(found if need_found else None, total, reduce, self.process_group)
+        monitor = self._monitor
+        flagged = monitor._flagged_now() if monitor is not None else None
+        found, total, ranks = agree(found if need_found else None, total, reduce, self.process_group, flagged)
+        if monitor is not None:
+            monitor._flagged_ranks = ranks
         return ({} if found is None else {found.device: found}), total
 
     def _local_pass(self, optimizer, inv_scale, found_inf, allow_fp16, write, reduce, unscaled):

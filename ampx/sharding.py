@@ -19,20 +19,27 @@ from . import _C
 _L2, _L1, _INF = _C.REDUCE_SUMSQ, _C.REDUCE_SUMABS, _C.REDUCE_MAXABS
 
 
-def agree(found_inf, total, reduce, group):
+def agree(found_inf, total, reduce, group, flagged=None):
     """The sharded step's one collective: every rank learns whether any rank overflowed
-    and the global norm, from one all-reduce of [found_inf, local quantity].
+    and the global norm, from one all-reduce of [found_inf, local quantity, monitor ranks].
 
     L2 carries the local sum of squares (float64, summed), L1 the local sum, inf the
     local max (with MAX, which also ORs the flags). A local NaN norm is sent as +inf
     under MAX, whose NaN handling differs between backends. Returns the agreed
-    (found_inf, total); found_inf stays 0.0 or 1.0, as fused optimizers expect. ``group``
+    (found_inf, total, ranks); found_inf stays 0.0 or 1.0, as fused optimizers expect. ``group``
     None is the default group; without an initialised process group nothing is sent.
+
+    ``flagged``: a 0/1 tensor, whether this rank's ``PrecisionMonitor`` saw a non-finite value
+    this step (None: no monitor, sent as 0). The last element carries it for every rank, as a
+    bit per rank under SUM and as ``world - rank`` under MAX, so ``ranks`` (a ``FlaggedRanks``,
+    read on the host only when asked) tells which rank's monitor saw the step's first
+    non-finite value. It is always sent (8 bytes), so ranks with and without a monitor, and a
+    refusing rank (``_send_refusal``), send buffers of one size.
     """
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return found_inf, total  # one process: nothing to agree on
+        return found_inf, total, None  # one process: nothing to agree on
     _CALL.reached = True  # from here on, an error is no refusal of this rank's (refusals_shared)
     like = found_inf if found_inf is not None else total
     dev = like.device
@@ -48,8 +55,9 @@ def agree(found_inf, total, reduce, group):
         elif reduce == _INF:
             local = torch.nan_to_num(local, nan=math.inf)
         parts.append(local)
-    buf = parts[0] if len(parts) == 1 else torch.cat(parts)
     op = dist.ReduceOp.MAX if (reduce == _INF or not reduce) else dist.ReduceOp.SUM
+    parts.append(_rank_code(flagged, op, group, dev))
+    buf = torch.cat(parts)
     try:
         _all_reduce(buf, op, group)
     except Exception as e:  # gloo's "Connection closed by peer" alone says nothing of ampx
@@ -72,7 +80,47 @@ def agree(found_inf, total, reduce, group):
         if reduce == _L2:
             g = g.sqrt()
         total = g.to(total.device, torch.float32).reshape(())
-    return found_inf, total
+    return found_inf, total, FlaggedRanks(buf[-1], op == dist.ReduceOp.SUM, group)
+
+
+_BITS = 52  # ranks a float64 sum carries as exact bits; further ones are sent as 0
+
+
+def _rank_code(flagged, op, group, dev):
+    """This rank's part of the monitor element: flagged * 2**rank (SUM) or flagged * (world - rank)
+    (MAX), as a 1-element float64 tensor on dev."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if flagged is None or (op == dist.ReduceOp.SUM and rank >= _BITS):
+        return torch.zeros(1, dtype=torch.float64, device=dev)
+    code = 2.0 ** rank if op == dist.ReduceOp.SUM else float(world - rank)
+    return flagged.reshape(1).to(dev, torch.float64) * code
+
+
+class FlaggedRanks:
+    """Which ranks' monitors saw a non-finite value in the step ``agree`` closed (the reduced
+    element, kept on its device until ``first()`` reads it)."""
+
+    def __init__(self, value, summed, group):
+        self.value, self.summed, self.group = value, summed, group
+
+    def first(self):
+        """The lowest (global) rank whose monitor flagged, or None. A host read."""
+        import torch.distributed as dist
+
+        v = float(self.value)
+        if v <= 0:
+            return None
+        if self.summed:
+            bits = int(v)
+            r = (bits & -bits).bit_length() - 1
+        else:
+            r = dist.get_world_size(self.group) - int(v)
+        try:
+            return dist.get_global_rank(self.group, r) if self.group is not None else r
+        except Exception:  # a group this rank can no longer query
+            return r
 
 
 _CALL = threading.local()  # .open: inside refusals_shared; .reached: agree was called there
