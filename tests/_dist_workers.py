@@ -532,7 +532,10 @@ SCENARIOS = {"manual": scenario_manual, "fsdp2": scenario_fsdp2, "fsdp1": scenar
              "refusals": scenario_refusals}
 
 
-def run(rank, world, store, out_dir, names):
+def run(rank, world, store, out_dir, names, scenarios=None):
+    """One rank: runs the named scenarios (from ``scenarios``, default this file's) over gloo and
+    saves each one's result, or its traceback, to out_dir/rank<r>.pt."""
+    scenarios = SCENARIOS if scenarios is None else scenarios
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
@@ -540,7 +543,7 @@ def run(rank, world, store, out_dir, names):
     try:
         for name in names:
             try:
-                results[name] = SCENARIOS[name](rank, world)
+                results[name] = scenarios[name](rank, world)
             except Exception:
                 results[name] = {"error": traceback.format_exc()}
             dist.barrier()

@@ -5,14 +5,11 @@ rank alone scales the Linear's input); the other ranks' tensors stay finite, and
 gradients become non-finite only through the gradient reduction (DDP's all-reduce, FSDP2's
 reduce-scatter). Each rank saves what its scaler and monitor reported.
 """
-import datetime
-import os
-import traceback
-
 import torch
-import torch.distributed as dist
 
 import ampx
+
+import _dist_workers  # noqa: E402  (tests/ is on sys.path, as for this file)
 
 STEPS = 5
 BAD_STEP = 2
@@ -94,17 +91,4 @@ SCENARIOS = {"ddp": scenario_ddp, "fsdp2": scenario_fsdp2}
 
 
 def run(rank, world, store, out_dir, names):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    results = {}
-    try:
-        for name in names:
-            try:
-                results[name] = SCENARIOS[name](rank, world)
-            except Exception:
-                results[name] = {"error": traceback.format_exc()}
-            dist.barrier()
-    finally:
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
+    _dist_workers.run(rank, world, store, out_dir, names, SCENARIOS)
