@@ -74,18 +74,8 @@ def only_report(reports, step=BAD_STEP):
 
 
 def test_forward_overflow_in_a_named_linear():
-    def push(step, model):
-        up = model.blocks[1].up
-        with torch.no_grad():
-            if step == BAD_STEP:  # 65000 + x.W (x.W ~ 500): past 65504 in float16; each parameter is below
-                push.saved = up.weight.clone(), up.bias.clone()
-                up.weight.mul_(1000.0)
-                up.bias.fill_(65000.0)
-            elif step == BAD_STEP + 1:
-                up.weight.copy_(push.saved[0])
-                up.bias.copy_(push.saved[1])
-
-    _, _, reports = train(Net(), before_step=push)
+    # 65000 + x.W (x.W ~ 500): past 65504 in float16; each parameter is below
+    _, _, reports = train(Net(), before_step=_push_up)
     r = only_report(reports)
     o = r.origin
     assert (o["phase"], o["module"], o["tensor"], o["kind"], o["dtype"]) == (
@@ -407,3 +397,74 @@ def test_the_origin_travels_with_the_deferred_telemetry_of_a_device_scale():
     _, _, reports = train(Net(), before_step=push, scaler=scaler)
     o = only_report(reports).origin
     assert (o["phase"], o["module"], o["param_amax"]) == ("forward", "blocks.1.up", 7e4)
+
+
+def _push_up(step, model):
+    """At BAD_STEP, pushes blocks.1.up's output past float16's range (each parameter within it);
+    restores the layer the step after."""
+    up = model.blocks[1].up
+    with torch.no_grad():
+        if step == BAD_STEP:
+            _push_up.saved = up.weight.clone(), up.bias.clone()
+            up.weight.mul_(1000.0)
+            up.bias.fill_(65000.0)
+        elif step == BAD_STEP + 1:
+            up.weight.copy_(_push_up.saved[0])
+            up.bias.copy_(_push_up.saved[1])
+
+
+def _loop(model, opt, scaler, autocast, dtype, steps=BAD_STEP + 2):
+    """Trains with `opt` (a MasterWeights or an optimizer whose grads live in a GradBuffer),
+    pushing blocks.1.up at BAD_STEP; returns the reports of skipped steps and the parameters
+    seen before and after each step."""
+    reports, seen = {}, []
+    for step in range(steps):
+        _push_up(step, model)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).to(dtype)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        skipped = scaler.stats()["skipped_steps"]
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        seen.append((before, [p.detach().clone() for p in model.parameters()]))
+        if scaler.stats()["skipped_steps"] > skipped:
+            reports[step] = scaler.overflow_report()
+    return reports, seen
+
+
+def _assert_origin_in_up(reports, seen):
+    r = only_report(reports)
+    assert (r.origin["phase"], r.origin["module"], r.origin["tensor"], r.origin["kind"]) == (
+        "forward", "blocks.1.up", "output 0", "inf")
+    assert r.origin["dtype"] == "float16" and "blocks.1.up" in r.advice
+    before, after = seen[BAD_STEP]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # the skipped step changed nothing
+    before, after = seen[BAD_STEP + 1]
+    assert not all(torch.equal(a, b) for a, b in zip(before, after))  # the next one trained
+
+
+def test_the_origin_under_master_weights_with_a_float16_model():
+    torch.manual_seed(0)
+    model = Net()
+    opt = ampx.MasterWeights(torch.optim.SGD(model.parameters(), lr=1e-2), model=model, dtype=torch.float16)
+    assert all(p.dtype == torch.float16 for p in model.parameters())
+    scaler = ampx.GradScaler("cpu", init_scale=2.0 ** 8)
+    mon = scaler.monitor(model, every=2)
+    reports, seen = _loop(model, opt, scaler, autocast=False, dtype=torch.float16)
+    _assert_origin_in_up(reports, seen)
+    assert mon.steps == BAD_STEP + 2
+
+
+def test_the_origin_with_gradients_in_a_grad_buffer():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    buf = ampx.GradBuffer(opt)
+    scaler = ampx.GradScaler("cpu", init_scale=2.0 ** 8)
+    scaler.monitor(model, every=2)
+    reports, seen = _loop(model, opt, scaler, autocast=True, dtype=torch.float32)
+    _assert_origin_in_up(reports, seen)
+    buf.check()
