@@ -233,16 +233,23 @@ def _train(rank, world, model, opt, scaler, local_grad_for_injection, every_rank
     return rec
 
 
-def scenario_fsdp2(rank, world):
+def fsdp2_shard(model, world):
+    """Shards each Linear of a Sequential, then the whole, with FSDP2 over a 1-D CPU mesh of all
+    ranks; returns the mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = _model()
     mesh = init_device_mesh("cpu", (world,))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return mesh
+
+
+def scenario_fsdp2(rank, world):
+    model = _model()
+    mesh = fsdp2_shard(model, world)
     opt = _make_opt("adamw_foreach", model.parameters())
     scaler = ampx.GradScaler("cpu", init_scale=2.0**10, growth_interval=10, process_group=mesh.get_group())
     first = next(model.parameters())

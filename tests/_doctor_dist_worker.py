@@ -28,9 +28,10 @@ def _batch(rank, step):
     return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
 
 
-def _train(rank, forward, inner, params, scaler, monitor, full_params):
-    """STEPS fp16-autocast steps; returns per step: skipped, the report's origin and advice,
-    whether the parameters changed."""
+def _train(rank, forward, inner, params, scaler, monitor, full_params, clip=False):
+    """STEPS fp16-autocast steps (with ``clip``, scaler.clip_grad_norm_ first: the scaler's
+    collective then sums, where without it it takes the max); returns per step: skipped, the
+    report's origin and advice, whether the parameters changed."""
     opt = torch.optim.SGD(params, lr=0.1)
     bad = inner[int(BAD_MODULE)]
     out = {"steps": []}
@@ -43,6 +44,8 @@ def _train(rank, forward, inner, params, scaler, monitor, full_params):
         with torch.autocast("cpu", dtype=torch.float16):
             loss = torch.nn.functional.mse_loss(forward(x).float(), y)
         scaler.scale(loss).backward()
+        if clip:
+            scaler.clip_grad_norm_(opt, 1.0)
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
@@ -70,24 +73,18 @@ def scenario_ddp(rank, world):
                   lambda: [p.detach().clone() for p in inner.parameters()])
 
 
-def scenario_fsdp2(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
+def scenario_fsdp2(rank, world, clip=False):
     model = _model()
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    mesh = _dist_workers.fsdp2_shard(model, world)
     scaler = ampx.GradScaler("cpu", init_scale=2.0**8, process_group=mesh.get_group())
     monitor = ampx.PrecisionMonitor(model, scaler, every=1)
     scaler.watch(model)
     return _train(rank, model, model, model.parameters(), scaler, monitor,
-                  lambda: [p.detach().to_local().clone() for p in model.parameters()])
+                  lambda: [p.detach().to_local().clone() for p in model.parameters()], clip)
 
 
-SCENARIOS = {"ddp": scenario_ddp, "fsdp2": scenario_fsdp2}
+SCENARIOS = {"ddp": scenario_ddp, "fsdp2": scenario_fsdp2,
+             "fsdp2_clip": lambda rank, world: scenario_fsdp2(rank, world, clip=True)}
 
 
 def run(rank, world, store, out_dir, names):

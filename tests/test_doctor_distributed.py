@@ -50,9 +50,10 @@ def test_the_rank_where_it_happened_names_the_module_and_its_rank(ranks, name):
     assert o["rank"] == W.BAD_RANK and o["dtype"] == "float16", o
 
 
-def test_fsdp2_the_other_rank_learns_which_rank_from_the_scalers_collective(ranks):
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp2_clip"])  # the collective's MAX and its SUM
+def test_fsdp2_the_other_rank_learns_which_rank_from_the_scalers_collective(ranks, name):
     other = 1 - W.BAD_RANK
-    step = _runs(ranks, "fsdp2")[other][W.BAD_STEP]
+    step = _runs(ranks, name)[other][W.BAD_STEP]
     o = step["origin"]
     assert o["phase"] is None and o["module"] is None and o["rank"] == W.BAD_RANK and o["seen_on"] == other, o
     assert f"appeared on rank {W.BAD_RANK}" in step["advice"] and f"this rank ({other})" in step["advice"]
