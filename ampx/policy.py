@@ -168,8 +168,11 @@ class Policy:
         backend: "auto", "none", "ddp", "fsdp", "fsdp2" or "deepspeed" (used by ``ampx.prepare``).
         device: where training runs (default: cuda if available, else cpu).
         init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
-        consecutive_hysteresis, min_scale, max_scale, on_min_scale: the scaler's settings, as
-            ``ampx.GradScaler`` names them.
+        consecutive_hysteresis, min_scale, max_scale, on_min_scale, growth_timing: the
+            scaler's settings, as ``ampx.GradScaler`` names them. ``on_min_scale`` and
+            ``growth_timing`` left as None take the backend's own behaviour: ampx's scaler's
+            defaults ("warn", "torch"), and under DeepSpeed DeepSpeed's (see
+            ``deepspeed_config``); set explicitly, they are honoured or refused.
 
     Raises:
         ValueError: an unknown dtype, loss_scaling or backend; loss scaling asked for with fp32.
@@ -188,7 +191,7 @@ class Policy:
     def __init__(self, dtype="auto", loss_scaling="auto", master_weights=False, backend="auto", *,
                  device=None, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
                  growth_interval=2000, hysteresis=1, consecutive_hysteresis=False, min_scale=None,
-                 max_scale=None, on_min_scale="warn", growth_timing="torch"):
+                 max_scale=None, on_min_scale=None, growth_timing=None):
         self.device = _as_device(device)
         if loss_scaling not in _SCALING:
             raise ValueError(f"loss_scaling must be one of {_SCALING}, not {loss_scaling!r}")
@@ -208,6 +211,13 @@ class Policy:
         self.loss_scaling = loss_scaling
         self.master_weights = bool(master_weights)
         self.backend = backend
+        # on_min_scale and growth_timing left unset mean "the backend's own": ampx's scaler's
+        # defaults, and DeepSpeed's behaviour under DeepSpeed (deepspeed_config refuses an
+        # explicit one DeepSpeed cannot carry instead of dropping it).
+        self._explicit = frozenset(k for k, v in (("on_min_scale", on_min_scale),
+                                                  ("growth_timing", growth_timing)) if v is not None)
+        on_min_scale = "warn" if on_min_scale is None else on_min_scale
+        growth_timing = "torch" if growth_timing is None else growth_timing
         # The scaler's settings are checked here, by the scaler's rules, so a bad one is refused
         # when the policy is built rather than when a scaler or DeepSpeed config is made from it.
         settings.check_settings(
@@ -341,9 +351,15 @@ class Policy:
 
         Raises:
             ValueError: what DeepSpeed cannot express (growth/backoff other than 2/0.5, a max
-                scale, an init_scale that is not a power of two, a fractional min_scale), or a
-                conflict with ``base``.
+                scale, an init_scale that is not a power of two, a fractional min_scale, an
+                explicit growth_timing="torch" or on_min_scale DeepSpeed's stage does not
+                follow), or a conflict with ``base``.
         """
+        return self._deepspeed_config(base, scaler_carries_floor=False)
+
+    def _deepspeed_config(self, base, scaler_carries_floor):
+        """deepspeed_config; with scaler_carries_floor, an on_min_scale DeepSpeed does not follow
+        is left to ampx's DeepSpeedScaler (ampx.prepare) instead of refused."""
         if base is not None and not isinstance(base, dict):
             raise TypeError(f"ampx.Policy.deepspeed_config: base must be a dict (DeepSpeed's config) or None, not "
                             f"{type(base).__name__}")
@@ -381,6 +397,18 @@ class Policy:
         if float(min_scale) != int(min_scale):
             raise ValueError(f"DeepSpeed's min_loss_scale is an integer; min_scale={min_scale} cannot be "
                              "expressed")
+        stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
+        if "growth_timing" in self._explicit and kw["growth_timing"] != "deepspeed":
+            raise ValueError(f"DeepSpeed cannot express growth_timing={kw['growth_timing']!r}: its loss scaler "
+                             "grows one step later (on the (w+1)-th clean step after the start or an overflow); "
+                             "leave growth_timing unset or pass 'deepspeed'")
+        own = deepspeed_floor_action(stage)
+        if ("on_min_scale" in self._explicit and kw["on_min_scale"] != own and not scaler_carries_floor
+                and self.loss_scaling == "dynamic"):
+            does = ("raises" if own == "raise" else "keeps the scale at its floor without a word")
+            raise ValueError(f"DeepSpeed's config cannot carry on_min_scale={kw['on_min_scale']!r}: with ZeRO stage "
+                             f"{stage}, an overflow at min_loss_scale {does}. Pass on_min_scale={own!r} or leave it "
+                             "unset, or use ampx.prepare(..., backend='deepspeed'), whose scaler carries it")
         section = {
             "enabled": True,
             "loss_scale": 0 if self.loss_scaling == "dynamic" else float(kw["init_scale"]),
@@ -390,7 +418,6 @@ class Policy:
             "consecutive_hysteresis": bool(kw["consecutive_hysteresis"]),
             "min_loss_scale": int(min_scale),
         }
-        stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
         if stage == 0 and (section["hysteresis"] != 1 or section["consecutive_hysteresis"]):
             warnings.warn(f"ampx.Policy.deepspeed_config: hysteresis={section['hysteresis']}, consecutive_hysteresis="
                           f"{section['consecutive_hysteresis']} have no effect with ZeRO stage 0: DeepSpeed's "
@@ -409,3 +436,8 @@ class Policy:
         cfg[key] = merged
         return cfg
 
+
+def deepspeed_floor_action(stage):
+    """What DeepSpeed (0.19) does on an overflow at min_loss_scale, in on_min_scale's words: its
+    ZeRO optimizers' DynamicLossScaler raises; its stage-0 fp16 optimizers stay at the floor."""
+    return "ignore" if stage in (0, None) else "raise"

@@ -236,6 +236,32 @@ def test_deepspeed_refuses_what_it_cannot_express(kw, base, match):
         ampx.Policy("fp16", device="cpu", **kw).deepspeed_config(base)
 
 
+@pytest.mark.parametrize("stage,own,other", [(0, "ignore", "warn"), (1, "raise", "warn"), (2, "raise", "ignore"),
+                                            (3, "raise", "warn"), (0, "ignore", "raise")])
+def test_deepspeed_config_refuses_an_on_min_scale_the_stage_does_not_follow(stage, own, other):
+    base = {"zero_optimization": {"stage": stage}}
+    # unset: DeepSpeed's own behaviour, no key; the same choice as DeepSpeed's: accepted
+    for kw in ({}, {"on_min_scale": own}):
+        assert ampx.Policy("fp16", device="cpu", **kw).deepspeed_config(base)["fp16"]["enabled"]
+    with pytest.raises(ValueError, match=f"on_min_scale='{other}'.*stage {stage}.*on_min_scale='{own}'.*ampx.prepare"):
+        ampx.Policy("fp16", device="cpu", on_min_scale=other).deepspeed_config(base)
+    # ampx.prepare's route leaves it to its DeepSpeedScaler, which carries it
+    p = ampx.Policy("fp16", device="cpu", on_min_scale=other)
+    assert p._deepspeed_config(base, scaler_carries_floor=True)["fp16"]["enabled"]
+    # static scaling never reaches a floor: nothing to refuse
+    assert ampx.Policy("fp16", device="cpu", loss_scaling="static", on_min_scale=other).deepspeed_config(base)
+
+
+def test_deepspeed_config_refuses_torch_growth_timing_when_asked_for():
+    with pytest.raises(ValueError, match="growth_timing='torch'.*one step later"):
+        ampx.Policy("fp16", device="cpu", growth_timing="torch").deepspeed_config()
+    for kw in ({}, {"growth_timing": "deepspeed"}):
+        assert ampx.Policy("fp16", device="cpu", **kw).deepspeed_config()["fp16"]["enabled"]
+    # unset still means torch's timing for ampx's own scaler
+    assert ampx.Policy("fp16", device="cpu").grad_scaler()._growth_timing == "torch"
+    assert ampx.Policy("fp16", device="cpu").scaler_kwargs["on_min_scale"] == "warn"
+
+
 def test_deepspeed_bf16_conflicts(cpu_bf16):
     cpu_bf16(True)
     with pytest.raises(ValueError, match="cannot enable both"):
