@@ -3,10 +3,21 @@
 DeepSpeed's engine scales the loss, checks for overflow and steps itself (configured from the
 policy by ``Policy.deepspeed_config``), so this object only keeps the training loop the same as on
 every other backend: ``scale(loss).backward()`` is ``engine.backward(loss)`` and ``step`` is
-``engine.step()``.
+``engine.step()``. It reports like ``ampx.GradScaler`` (``stats()``, ``overflow_report()``,
+``last_step_skipped``) from the engine's own counters, and carries the policy's
+``on_min_scale`` where DeepSpeed's config cannot.
 """
+import logging
+import math
+from collections import deque
 
 import torch
+
+from . import ops
+from .policy import deepspeed_floor_action
+from .telemetry import OverflowReport, flagged_names
+
+logger = logging.getLogger("ampx")
 
 __all__ = ["DeepSpeedScaler"]
 
@@ -35,20 +46,145 @@ class DeepSpeedScaler:
     in its config) and steps inside ``engine.backward`` / ``engine.step``. So ``scale(loss)``
     returns an object whose ``backward()`` is ``engine.backward(loss)``, ``step(optimizer)``
     is ``engine.step()``, and ``update()`` does nothing.
+
+    Reporting, as ``ampx.GradScaler``'s: ``stats()`` takes ``steps`` and ``skipped_steps``
+    from the engine's ``global_steps`` / ``skipped_steps`` (so they survive DeepSpeed's own
+    checkpoints), ``last_norm`` from ``engine.get_global_grad_norm()``; ``overflow_report()``
+    names the parameters whose ``.grad`` held inf/NaN on a skipped step. To name them, each
+    optimizer step with loss scaling reads the gradients once (one fused pass, flags kept on
+    the device and read only when the engine skipped). ZeRO stages 2 and 3 keep gradients in
+    their own partitions, not in ``.grad``: there the report says so instead of naming.
+
+    ``on_min_scale`` (set explicitly in the policy) is carried where DeepSpeed does otherwise:
+    under ZeRO 1-3 DeepSpeed raises at ``min_loss_scale``, so for "warn"/"ignore" its loss
+    scaler's ``raise_error_at_min_scale`` is turned off and this object warns (or not); under
+    stage 0 DeepSpeed stays at the floor, so "warn"/"raise" are done here after the skipped
+    step. DeepSpeed's own raise surfaces as ampx's RuntimeError.
     """
 
-    def __init__(self, engine, policy):
+    def __init__(self, engine, policy, history=1000):
         self.engine = engine
         self._enabled = policy.loss_scaling != "none"
+        self._dynamic = policy.loss_scaling == "dynamic"
         self.last_step_skipped = False
+        self._names = {}
+        module = getattr(engine, "module", None)
+        if isinstance(module, torch.nn.Module):
+            self.watch(module.named_parameters())
+        self._history = deque(maxlen=int(history))
+        self._scale_lo, self._scale_hi = math.inf, 0.0
+        self._last_report = None
+        self._last_norm = None
+        self._floor = self._carry_floor(policy)
+
+    # ---- the floor -----------------------------------------------------------------------
+
+    def _stage(self):
+        stage = getattr(self.engine, "zero_optimization_stage", None)
+        return stage() if callable(stage) else 0
+
+    def _carry_floor(self, policy):
+        """What this object does itself at the floor: "warn", "raise" or None (DeepSpeed's own)."""
+        if not (self._enabled and self._dynamic) or "on_min_scale" not in getattr(policy, "_explicit", ()):
+            return None
+        want, own = policy.scaler_kwargs["on_min_scale"], deepspeed_floor_action(self._stage())
+        if want == own:
+            return None
+        if own == "raise":
+            ls = getattr(getattr(self.engine, "optimizer", None), "loss_scaler", None)
+            if not hasattr(ls, "raise_error_at_min_scale"):
+                raise RuntimeError(f"ampx.prepare(backend='deepspeed'): cannot carry on_min_scale={want!r}: this "
+                                   f"DeepSpeed's ZeRO stage {self._stage()} loss scaler ({type(ls).__name__}) has no "
+                                   "raise_error_at_min_scale to turn off; pass on_min_scale='raise' or leave it unset")
+            ls.raise_error_at_min_scale = False
+        return None if want == "ignore" else want
+
+    def _min_scale(self):
+        opt = getattr(self.engine, "optimizer", None)
+        for holder, name in ((getattr(opt, "loss_scaler", None), "min_scale"),
+                             (getattr(opt, "loss_scale_config", None), "min_loss_scale")):
+            value = getattr(holder, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+        return 1.0  # DeepSpeed's default min_loss_scale
+
+    def _floor_message(self, floor):
+        return (f"ampx.DeepSpeedScaler: gradients overflowed with DeepSpeed's loss scale already at min_loss_scale="
+                f"{floor:g}; the step was skipped and the scale cannot fall further.")
+
+    # ---- the loop's calls ----------------------------------------------------------------
+
+    def watch(self, named_parameters):
+        """Names parameters for overflow reports (the engine's module is watched already)."""
+        if isinstance(named_parameters, torch.nn.Module):
+            named_parameters = named_parameters.named_parameters()
+        for name, p in named_parameters:
+            self._names[id(p)] = name
+        return self
 
     def scale(self, loss):
         return _EngineLoss(self.engine, loss)
 
     def step(self, optimizer=None, *args, **kwargs):
-        before = getattr(self.engine, "skipped_steps", 0)
-        self.engine.step(*args, **kwargs)
-        self.last_step_skipped = getattr(self.engine, "skipped_steps", 0) != before
+        engine = self.engine
+        boundary = getattr(engine, "is_gradient_accumulation_boundary", None)
+        at_boundary = boundary() if callable(boundary) else True
+        flagged = self._flag_grads() if at_boundary and self._enabled else None
+        before = getattr(engine, "skipped_steps", 0)
+        scale = self.get_scale()
+        try:
+            engine.step(*args, **kwargs)
+        except Exception as e:
+            if "loss scale already at minimum" in str(e):
+                raise RuntimeError(self._floor_message(self._min_scale()) + " (DeepSpeed raises at its floor "
+                                   "under ZeRO stages 1-3; on_min_scale='warn' in the policy goes on)") from e
+            raise
+        self.last_step_skipped = getattr(engine, "skipped_steps", 0) != before
+        if at_boundary:
+            self._account(scale, flagged)
+
+    def _flag_grads(self):
+        """(params, flags): one fused pass over the .grad tensors the engine's module holds."""
+        module = getattr(self.engine, "module", None)
+        if not isinstance(module, torch.nn.Module):
+            return None
+        params = [p for p in module.parameters() if p.grad is not None and p.grad.layout == torch.strided
+                  and p.grad.dtype in (torch.float32, torch.float16, torch.bfloat16)]
+        if not params:
+            return [], None
+        device = params[0].grad.device
+        params = [p for p in params if p.grad.device == device]
+        flags = torch.zeros(len(params), dtype=torch.uint8, device=device)
+        ops.check_finite([p.grad for p in params], None, flags=flags)
+        return params, flags
+
+    def _account(self, scale_before, flagged):
+        engine = self.engine
+        new_scale = self.get_scale()
+        norm = getattr(engine, "get_global_grad_norm", None)
+        norm = norm() if callable(norm) else None
+        self._last_norm = None if norm is None else float(norm)
+        step = getattr(engine, "global_steps", len(self._history))
+        self._scale_lo = min(self._scale_lo, new_scale)
+        self._scale_hi = max(self._scale_hi, new_scale)
+        self._history.append((step, new_scale))
+        if not self.last_step_skipped:
+            return
+        self._last_report = self._report(step, flagged)
+        floor = self._min_scale()
+        if self._floor is not None and self._dynamic and scale_before <= floor:
+            if self._floor == "raise":
+                raise RuntimeError(self._floor_message(floor) + " (on_min_scale='raise')")
+            logger.warning(self._floor_message(floor))
+
+    def _report(self, step, flagged):
+        inf, nan, note = [], [], ""
+        if flagged is None or flagged[1] is None:
+            note = (f"DeepSpeed's ZeRO stage {self._stage()} keeps gradients in its own partitions, not in .grad: "
+                    "the parameters cannot be named")
+        else:
+            inf, nan = flagged_names([flagged], self._names)
+        return OverflowReport(step, inf, nan, note)
 
     def update(self, new_scale=None):
         if new_scale is not None:
@@ -80,8 +216,29 @@ class DeepSpeedScaler:
     def is_enabled(self):
         return self._enabled
 
+    # ---- reporting -----------------------------------------------------------------------
+
+    def overflow_report(self):
+        """The ``OverflowReport`` of the most recent skipped step, or None."""
+        return self._last_report
+
+    def stats(self):
+        """As ``ampx.GradScaler.stats()``: steps and skipped_steps are the engine's own counts."""
+        engine = self.engine
+        seen = bool(self._history)
+        return {
+            "steps": int(getattr(engine, "global_steps", len(self._history))),
+            "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
+            "scale": self.get_scale(),
+            "min_scale_seen": self._scale_lo if seen else None,
+            "max_scale_seen": self._scale_hi if seen else None,
+            "last_norm": self._last_norm,
+            "history": list(self._history),
+        }
+
     def state_dict(self):
-        # DeepSpeed saves its loss scaler in its own checkpoints (engine.save_checkpoint).
+        # DeepSpeed saves its loss scaler and its step counts in its own checkpoints
+        # (engine.save_checkpoint); stats() reads the counts from the engine.
         return {}
 
     def load_state_dict(self, state_dict):

@@ -249,7 +249,7 @@ def _import_deepspeed(device):
 
 
 def _deepspeed_config(policy, base):
-    cfg = policy.deepspeed_config(base)
+    cfg = policy._deepspeed_config(base, scaler_carries_floor=True)  # DeepSpeedScaler carries on_min_scale
     if not any(k in cfg for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
                                   "gradient_accumulation_steps")):
         # DeepSpeed insists on a batch size; it only matters for its own data loader and

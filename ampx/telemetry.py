@@ -186,17 +186,7 @@ class TelemetryMixin:
         self._history.append((step, scale))
 
     def _make_report(self, step, sources):
-        inf, nan = [], []
-        for params, flags in (pair for src in sources for pair in src):
-            flags = flags.cpu()
-            bad = torch.nonzero(flags).flatten().tolist()
-            for i in bad:
-                p, f = params[i], int(flags[i])
-                name = self._param_names.get(id(p)) or f"param[{i}] {tuple(p.shape)}"
-                if f & ops.FLAG_INF:
-                    inf.append(name)
-                if f & ops.FLAG_NAN:
-                    nan.append(name)
+        inf, nan = flagged_names((pair for src in sources for pair in src), self._param_names)
         note = ""
         if (inf or nan) and self.__dict__.get("_names_dropped"):
             note = ("parameter names are not pickled with the scaler (they are keyed by object id): call "
@@ -327,3 +317,21 @@ def _checked_seen(tele, key, steps, bad):
     if not (_is_real(v) and v > 0 and math.isfinite(v)):
         bad(key, "a finite number > 0 once steps > 0")
     return float(v)
+
+
+def flagged_names(pairs, names):
+    """(inf, nan): the names of the parameters whose flag (ops.FLAG_INF / FLAG_NAN bits) is set.
+
+    pairs: (params, flags) with one uint8 flag per parameter; names: id(param) -> name (a
+    parameter without one is called by its index and shape)."""
+    inf, nan = [], []
+    for params, flags in pairs:
+        flags = flags.cpu()
+        for i in torch.nonzero(flags).flatten().tolist():
+            p, f = params[i], int(flags[i])
+            name = names.get(id(p)) or f"param[{i}] {tuple(p.shape)}"
+            if f & ops.FLAG_INF:
+                inf.append(name)
+            if f & ops.FLAG_NAN:
+                nan.append(name)
+    return inf, nan

@@ -2,7 +2,9 @@
 
 DeepSpeed installs from PyPI without building its ops; its CPU accelerator (DS_ACCELERATOR=cpu)
 trains in bf16 but refuses fp16 ("Type fp16 is not supported on your device"), so the fp16
-section is validated by DeepSpeed's config classes only (see docs/DESIGN.md).
+section is validated by DeepSpeed's config classes, and the fp16 runs through ampx.prepare
+(tests/_deepspeed_fp16_worker.py) force that support check: DeepSpeed's fp16 optimizers then run
+on the CPU as they would on a GPU.
 """
 import os
 import subprocess
@@ -168,3 +170,72 @@ def test_hysteresis_for_zero_stage_0_warns():
         p.deepspeed_config({"zero_optimization": {"stage": 2}})
         quiet.deepspeed_config({})  # hysteresis 1: nothing to warn about
     assert p.grad_scaler(growth_timing="deepspeed")._growth_timing == "deepspeed"
+
+
+# ---- real fp16 engines (support check forced): DeepSpeedScaler's reports, floor, stock parity ----
+
+_FP16_WORKER = os.path.join(os.path.dirname(__file__), "_deepspeed_fp16_worker.py")
+
+
+def _fp16_runs(cases):
+    """{case: record}: each (stage, on_min_scale, mode) run in its own process, all at once."""
+    import json
+    import socket
+
+    procs = {}
+    for case in cases:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        procs[case] = subprocess.Popen([sys.executable, _FP16_WORKER, str(case[0]), str(port), case[1], case[2]],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    out = {}
+    for case, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{case}: {stderr[-3000:]}"
+        out[case] = json.loads(stdout.split("REC", 1)[1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp16_runs():
+    return _fp16_runs([(0, "unset", "ampx"), (0, "unset", "stock"), (1, "unset", "ampx"), (1, "unset", "stock"),
+                       (1, "warn", "ampx"), (1, "raise", "ampx"), (0, "raise", "ampx")])
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_fp16_overflow_skips_that_step_alone_and_matches_stock_deepspeed(fp16_runs, stage):
+    got, stock = fp16_runs[(stage, "unset", "ampx")], fp16_runs[(stage, "unset", "stock")]
+    want_skips = [i == 3 for i in range(8)]
+    assert got["skipped"] == want_skips and got["ampx_skipped"] == want_skips and stock["skipped"] == want_skips
+    assert got["changed"] == [not s for s in want_skips]  # the skipped step left every parameter as it was
+    assert got["scales"] == stock["scales"] == [256.0] * 3 + [128.0] * 4 + [256.0]
+    assert got["params"] == stock["params"]  # bit for bit: ampx only routes the calls
+    stats = got["stats"]
+    assert (stats["steps"], stats["skipped_steps"]) == (8, 1)
+    assert (stats["min_scale_seen"], stats["max_scale_seen"], stats["scale"]) == (128.0, 256.0, 256.0)
+    assert stats["last_norm"] is not None and stats["last_norm"] > 0
+    assert [s for s, _ in got["history"]] == list(range(1, 9))
+    assert got["reports"][:3] == [None] * 3
+    step, inf, nan, note = got["reports"][3]
+    assert step == 4 and nan == []
+    if stage == 0:  # .grad holds the gradients: the parameter is named
+        assert inf == ["2.weight"] and note == ""
+    else:  # ZeRO keeps them in its partitions: the report says it cannot name them
+        assert inf == [] and "ZeRO stage 1" in note and "cannot be named" in note
+    assert got["reports"][4:] == [got["reports"][3]] * 4  # the last skipped step's report stays
+
+
+def test_fp16_floor_warn_under_zero1_goes_on(fp16_runs):
+    got = fp16_runs[(1, "warn", "ampx")]  # DeepSpeed alone would raise here
+    assert "raised" not in got and got["skipped"] == [i == 3 for i in range(8)]
+    assert len(got["warned"]) == 1 and "already at min_loss_scale=1" in got["warned"][0]
+    assert got["stats"]["skipped_steps"] == 1
+
+
+@pytest.mark.parametrize("stage, why", [(1, "DeepSpeed raises at its floor"), (0, "on_min_scale='raise'")])
+def test_fp16_floor_raise_is_a_runtime_error(fp16_runs, stage, why):
+    got = fp16_runs[(stage, "raise", "ampx")]  # stage 1: DeepSpeed's own raise; stage 0: ampx's
+    step, msg = got["raised"]
+    assert step == 3 and "already at min_loss_scale=1" in msg and why in msg

@@ -302,6 +302,114 @@ def test_deepspeed_scaler_routes_backward_and_step_to_the_engine():
         scaler.unscale_(None)
 
 
+class _ModuleEngine:
+    """A DeepSpeed engine's reporting surface: module, counters, loss scaler, grad norm. Its
+    step() skips (as DeepSpeed's fp16 does) when any .grad holds inf/NaN, halving the scale
+    down to min_scale, and raises as ZeRO's DynamicLossScaler does at the floor."""
+
+    def __init__(self, stage=1, scale=8.0, min_scale=2.0):
+        self.module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+        self.global_steps = self.skipped_steps = 0
+        self.stage, self.force_skip = stage, False
+        ls = type("DynamicLossScaler", (), {})()
+        ls.cur_scale, ls.min_scale, ls.raise_error_at_min_scale = scale, min_scale, True
+        self.optimizer = type("ZeroOpt", (), {})()
+        self.optimizer.loss_scaler = ls
+        self.optimizer.cur_scale = scale
+        self.ls = ls
+
+    def zero_optimization_stage(self):
+        return self.stage
+
+    def is_gradient_accumulation_boundary(self):
+        return True
+
+    def get_global_grad_norm(self):
+        return 1.5
+
+    def step(self):
+        ls = self.ls
+        bad = self.force_skip or any(not torch.isfinite(p.grad).all() for p in self.module.parameters() if p.grad is not None)
+        if bad:
+            if ls.cur_scale == ls.min_scale and ls.raise_error_at_min_scale and self.stage > 0:
+                raise Exception("Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.")
+            ls.cur_scale = max(ls.cur_scale / 2, ls.min_scale)
+            self.skipped_steps += 1
+        self.optimizer.cur_scale = ls.cur_scale
+        self.global_steps += 1
+        for p in self.module.parameters():
+            p.grad = None
+
+
+def _ds_step(engine, scaler, bad=None):
+    for p in engine.module.parameters():
+        p.grad = torch.ones_like(p)
+    if bad is not None:
+        dict(engine.module.named_parameters())[bad].grad[0] = float(bad.endswith("bias") and "nan" or "inf")
+    scaler.step(None)
+    scaler.update()
+
+
+def test_deepspeed_scaler_reports_like_gradscaler():
+    engine = _ModuleEngine()
+    scaler = DeepSpeedScaler(engine, _policy("fp16"))
+    assert scaler.stats() == {"steps": 0, "skipped_steps": 0, "scale": 8.0, "min_scale_seen": None,
+                              "max_scale_seen": None, "last_norm": None, "history": []}
+    assert set(scaler.stats()) == set(ampx.GradScaler("cpu").stats())  # the same keys as every backend's
+    _ds_step(engine, scaler)
+    assert not scaler.last_step_skipped and scaler.overflow_report() is None
+    _ds_step(engine, scaler, bad="1.weight")
+    rep = scaler.overflow_report()
+    assert scaler.last_step_skipped and rep.step == 2 and rep.inf == ["1.weight"] and rep.nan == []
+    _ds_step(engine, scaler, bad="0.bias")
+    assert scaler.overflow_report().nan == ["0.bias"] and scaler.overflow_report().inf == []
+    st = scaler.stats()
+    assert st["steps"] == 3 and st["skipped_steps"] == 2 and st["history"] == [(1, 8.0), (2, 4.0), (3, 2.0)]
+    assert st["min_scale_seen"] == 2.0 and st["max_scale_seen"] == 8.0 and st["last_norm"] == 1.5
+    # the counts are the engine's, so they come back with DeepSpeed's own checkpoint
+    engine.global_steps, engine.skipped_steps = 10, 4
+    assert DeepSpeedScaler(engine, _policy("fp16")).stats()["skipped_steps"] == 4
+
+
+def test_deepspeed_scaler_says_when_zero_holds_no_grad():
+    engine = _ModuleEngine(stage=2)
+    scaler = DeepSpeedScaler(engine, _policy("fp16"))
+    engine.force_skip = True  # no .grad anywhere (ZeRO 2 moved them into its partitions), yet it skips
+    scaler.step(None)
+    rep = scaler.overflow_report()
+    assert scaler.last_step_skipped and rep.inf == rep.nan == []
+    assert "ZeRO stage 2" in rep.note and "cannot be named" in rep.note
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("on_min_scale", [None, "warn", "ignore", "raise"])
+def test_deepspeed_scaler_carries_on_min_scale(stage, on_min_scale, caplog):
+    engine = _ModuleEngine(stage=stage, scale=4.0, min_scale=2.0)
+    kw = {} if on_min_scale is None else {"on_min_scale": on_min_scale}
+    scaler = DeepSpeedScaler(engine, ampx.Policy("fp16", device="cpu", **kw))
+    own = "ignore" if stage == 0 else "raise"
+    # DeepSpeed's raise is turned off only where ampx must not raise
+    assert engine.ls.raise_error_at_min_scale == (stage == 0 or on_min_scale in (None, "raise"))
+    _ds_step(engine, scaler, bad="1.weight")  # 4 -> 2: not yet at the floor
+    want = own if on_min_scale is None else on_min_scale
+    with caplog.at_level("WARNING", logger="ampx"):
+        if want == "raise":
+            with pytest.raises(RuntimeError, match="min_loss_scale=2"):
+                _ds_step(engine, scaler, bad="1.weight")
+            return
+        _ds_step(engine, scaler, bad="1.weight")
+    assert scaler.last_step_skipped and scaler.get_scale() == 2.0
+    assert ("min_loss_scale=2" in caplog.text) == (want == "warn")
+
+
+def test_deepspeed_scaler_refuses_a_floor_it_cannot_carry():
+    engine = _ModuleEngine(stage=1)
+    del engine.optimizer.loss_scaler
+    with pytest.raises(RuntimeError, match="cannot carry on_min_scale='warn'.*raise_error_at_min_scale"):
+        DeepSpeedScaler(engine, ampx.Policy("fp16", device="cpu", on_min_scale="warn"))
+    DeepSpeedScaler(engine, ampx.Policy("fp16", device="cpu"))  # unset: DeepSpeed's own, nothing to carry
+
+
 def test_fsdp2_shards_each_owner_of_parameters_but_not_tied_ones():
     class Tied(torch.nn.Module):
         def __init__(self):
