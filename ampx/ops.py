@@ -428,6 +428,18 @@ def check_finite(tensors, found_inf, *, flags=None):
     _check_finite(tensors, found_inf, flags)
 
 
+def _check_flags(tensors, flags):
+    """check_finite(tensors, None, flags=flags) for callers that make it many times a step on a
+    few small tensors (the PrecisionMonitor's hooks): on the CPU, outside torch.compile, the
+    profiler and dispatch modes, the C kernel's positional entry (about 1 us a call where the
+    public op's keyword parsing and checks cost 3-4 us more); else the public op. ``flags``:
+    a uint8 tensor that does not require grad, one element per tensor."""
+    if tensors and type(tensors[0]) in _PLAIN and tensors[0].is_cpu and not _dispatching(tensors):
+        _C.check_flags(tensors, flags, _threads())
+    else:
+        check_finite(tensors, None, flags=flags)
+
+
 def _check_finite(tensors, found_inf, flags):
     op = "ampx.ops.check_finite"
     _C.scale_reduce(op, tensors, _CHECK, found_inf=found_inf, flags=flags, **_on(op, _cuda_device(tensors)))

@@ -113,11 +113,52 @@ static int hold_outputs(mstate *st, entry_call *c, PyObject *found_o, PyObject *
  *
  * The one entry point of unscale_, check_finite, norm, unscale_norm_ and mul_:
  * the scale kernel in `mode` over the tensors. */
+/* The body of scale_reduce past its argument parsing (c: op, mode, split, site set). */
+static PyObject *scale_reduce_call(mstate *st, entry_call *c, PyObject *seq, PyObject *factor_o, PyObject *found_o,
+                                   PyObject *flags_o, PyObject *per_o, PyObject *out_o, int refuse_fp16,
+                                   const char *factor_name)
+{
+    if (state_ready(st) < 0)
+        return NULL;
+    const char *op = c->at.op;
+    if (c->mode < 0 || c->mode >= AMPX_NUM_MODES || !has_kernel[c->mode]) {
+        PyErr_Format(PyExc_ValueError, "%s: no kernel for mode %d", op, c->mode);
+        return NULL;
+    }
+    if (c->split < 0 || c->split >= AMPX_NUM_SPLITS) {
+        PyErr_Format(PyExc_ValueError, "%s: split must be 0 (dynamic), 1 (as torch's fused optimizers) or 2 (as its "
+                     "elementwise ops), not %d", op, c->split);
+        return NULL;
+    }
+    const int write = c->mode & AMPX_M_WRITE, device = c->at.device;
+    if (tlist_gather(st, op, "tensors", seq, write, refuse_fp16, device, 0, &c->L) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    if (hold_if_released(st, c, &c->L, NULL) < 0)
+        goto done;
+    if (parse_factor(st, op, factor_name, factor_o, device, &c->factor, &c->factor_ptr) < 0 ||
+        check_outputs(st, c, found_o, flags_o, c->L.n) < 0 ||
+        opt_aux(st, op, "per_tensor", per_o, st->dtypes[AMPX_F32], c->L.n, device, &c->per_tensor) < 0 ||
+        opt_aux(st, op, "out", out_o, st->dtypes[AMPX_F32], 1, device, &c->total) < 0 ||
+        hold_outputs(st, c, found_o, flags_o, per_o, out_o) < 0)
+        goto done;
+    if (write && tlist_sequential(&c->L, &c->sequential) < 0)
+        goto done;
+    if ((device < 0 ? cpu_scale_reduce(st, c) : cuda_scale_reduce(st, c)) < 0)
+        goto done;
+    if (write && tlist_bump_versions(st, &c->L) < 0) /* written: as torch's in-place ops */
+        goto done;
+    result = new_ref(Py_None);
+done:
+    tlist_free(&c->L);
+    tlist_free(&c->O);
+    return result;
+}
+
 PyObject *py_scale_reduce(PyObject *module, PyObject *args, PyObject *kwargs)
 {
     static char *kw[] = {"op",          "tensors",    "mode",        "factor", "found_inf", "flags",
                          "per_tensor",  "out",        "refuse_fp16", "factor_name", "split",     SITE_KEYWORDS, NULL};
-    mstate *st = state_of(module);
     entry_call c;
     memset(&c, 0, sizeof c);
     site_defaults(&c.at, NULL);
@@ -129,41 +170,25 @@ PyObject *py_scale_reduce(PyObject *module, PyObject *args, PyObject *kwargs)
                                      &c.mode, &factor_o, &found_o, &flags_o, &per_o, &out_o, &refuse_fp16,
                                      &factor_name, &c.split, SITE_ARGS(c.at)))
         return NULL;
-    if (state_ready(st) < 0)
+    return scale_reduce_call(state_of(module), &c, seq, factor_o, found_o, flags_o, per_o, out_o, refuse_fp16,
+                             factor_name);
+}
+
+/* check_flags(tensors, flags, nthreads) -> None: check_finite's CPU kernel into `flags` (one
+ * uint8 per tensor), with positional arguments only. For callers that check a few small
+ * tensors many times a step (the PrecisionMonitor's hooks): scale_reduce's keyword parsing
+ * builds a string per keyword and cost about 3 us of a 4 us call on one small tensor. */
+PyObject *py_check_flags(PyObject *module, PyObject *args)
+{
+    entry_call c;
+    memset(&c, 0, sizeof c);
+    site_defaults(&c.at, NULL);
+    PyObject *seq, *flags_o;
+    if (!PyArg_ParseTuple(args, "OOi:check_flags", &seq, &flags_o, &c.at.nthreads))
         return NULL;
-    const char *op = c.at.op;
-    if (c.mode < 0 || c.mode >= AMPX_NUM_MODES || !has_kernel[c.mode]) {
-        PyErr_Format(PyExc_ValueError, "%s: no kernel for mode %d", op, c.mode);
-        return NULL;
-    }
-    if (c.split < 0 || c.split >= AMPX_NUM_SPLITS) {
-        PyErr_Format(PyExc_ValueError, "%s: split must be 0 (dynamic), 1 (as torch's fused optimizers) or 2 (as its "
-                     "elementwise ops), not %d", op, c.split);
-        return NULL;
-    }
-    const int write = c.mode & AMPX_M_WRITE, device = c.at.device;
-    if (tlist_gather(st, op, "tensors", seq, write, refuse_fp16, device, 0, &c.L) < 0)
-        return NULL;
-    PyObject *result = NULL;
-    if (hold_if_released(st, &c, &c.L, NULL) < 0)
-        goto done;
-    if (parse_factor(st, op, factor_name, factor_o, device, &c.factor, &c.factor_ptr) < 0 ||
-        check_outputs(st, &c, found_o, flags_o, c.L.n) < 0 ||
-        opt_aux(st, op, "per_tensor", per_o, st->dtypes[AMPX_F32], c.L.n, device, &c.per_tensor) < 0 ||
-        opt_aux(st, op, "out", out_o, st->dtypes[AMPX_F32], 1, device, &c.total) < 0 ||
-        hold_outputs(st, &c, found_o, flags_o, per_o, out_o) < 0)
-        goto done;
-    if (write && tlist_sequential(&c.L, &c.sequential) < 0)
-        goto done;
-    if ((device < 0 ? cpu_scale_reduce(st, &c) : cuda_scale_reduce(st, &c)) < 0)
-        goto done;
-    if (write && tlist_bump_versions(st, &c.L) < 0) /* written: as torch's in-place ops */
-        goto done;
-    result = new_ref(Py_None);
-done:
-    tlist_free(&c.L);
-    tlist_free(&c.O);
-    return result;
+    c.at.op = "ampx.ops.check_finite";
+    c.mode = AMPX_M_CHECK;
+    return scale_reduce_call(state_of(module), &c, seq, Py_None, Py_None, flags_o, Py_None, Py_None, 0, "factor");
 }
 
 /* check_written(op, tensors, device) -> None: raises what a write into the tensors on

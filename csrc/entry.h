@@ -92,6 +92,7 @@ int cuda_update_scale(const entry_update *u);
 /* The Python functions (module.c's method table). */
 PyObject *py_scale_reduce(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_check_written(PyObject *module, PyObject *args);
+PyObject *py_check_flags(PyObject *module, PyObject *args);
 PyObject *py_cast(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_update_scale(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_tensor_stats(PyObject *module, PyObject *args, PyObject *kwargs);

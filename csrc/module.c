@@ -219,6 +219,8 @@ static PyMethodDef methods[] = {
     {"_shim_inference_mode", py_shim_inference_mode, METH_NOARGS, "Inference mode as C sees it (probe)."},
     {"_set_versions", py_set_versions, METH_VARARGS, "Whether C bumps version counters itself (tests)."},
     {"scale_reduce", KW(py_scale_reduce), "Scale / check / reduce kernel over a tensor list, on its device."},
+    {"check_flags", py_check_flags, METH_VARARGS,
+     "check_flags(tensors, flags, nthreads): check_finite's CPU kernel, positional arguments only."},
     {"check_written", py_check_written, METH_VARARGS,
      "Raises what a write into a tensor list on a device would refuse; writes nothing."},
     {"cast", KW(py_cast), "Cast kernel between two tensor lists, on their device."},

@@ -12,6 +12,7 @@ one float32 ulp of them. CUDA-only behaviour (streams, graphs, devices) is in te
 """
 import contextlib
 import math
+import re
 import sys
 import threading
 import time
@@ -340,6 +341,47 @@ def test_check_finite_every_size(device, simd, threaded, dtype, rng):
     clean.zero_()
     ops.check_finite(torch.tensor([math.nan], device=device), clean)
     assert clean.item() == 1.0
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
+def test_check_flags_positional_entry_matches_the_reference(simd, threaded, dtype, rng):
+    """_C.check_flags (the monitor's hook entry) is check_finite's kernel: same flags, reads only."""
+    origs = [special_values(dtype, n, rng, p_special=0.002) for n in sizes("cpu")]
+    origs += [finite_values(dtype, n, rng) for n in (1, 17, CHUNK + 1)]
+    tensors = [t.clone() for t in origs]
+    flags = torch.full((len(tensors),), 0xFF, dtype=torch.uint8)
+    ops._C.check_flags(tensors, flags, 2 if threaded else 1)
+    assert_list_unchanged(tensors, origs, "check_flags is read-only")
+    assert flags.tolist() == expected_flags(origs)
+    via = torch.full((len(tensors),), 0xFF, dtype=torch.uint8)
+    ops._check_flags(tensors, via)
+    assert via.tolist() == flags.tolist()
+
+
+@pytest.mark.parametrize("args, exc, text", [
+    (([torch.ones(2)], torch.zeros(2, dtype=torch.uint8), 1), ValueError, "flags must have 1 element(s), not 2"),
+    (([torch.ones(2)], torch.zeros(1), 1), TypeError, "flags must have dtype torch.uint8"),
+    (([torch.ones(2, dtype=torch.int64)], torch.zeros(1, dtype=torch.uint8), 1), TypeError, "dtype torch.int64"),
+    ((torch.ones(2), torch.zeros(1, dtype=torch.uint8), 1), TypeError, "must be a list or tuple"),
+    (([torch.ones(2)], torch.zeros(1, dtype=torch.uint8)), TypeError, "check_flags"),
+])
+def test_check_flags_refuses_what_check_finite_refuses(args, exc, text):
+    with pytest.raises(exc, match=re.escape(text)):
+        ops._C.check_flags(*args)
+
+
+def test_check_flags_route_leaves_the_c_entry_where_torch_must_see_the_call(monkeypatch):
+    """ops._check_flags takes the positional entry for plain CPU tensors only: meta tensors and
+    a profiler go through the public op (and so torch.ops.ampx)."""
+    calls = []
+    monkeypatch.setattr(ops._C, "check_flags", lambda *a: calls.append("c"), raising=False)
+    real = ops.check_finite
+    monkeypatch.setattr(ops, "check_finite", lambda *a, **k: (calls.append("op"), real(*a, **k)))
+    ops._check_flags([torch.ones(3)], torch.zeros(1, dtype=torch.uint8))
+    ops._check_flags([torch.ones(3, device="meta")], torch.zeros(1, dtype=torch.uint8, device="meta"))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        ops._check_flags([torch.ones(3)], torch.zeros(1, dtype=torch.uint8))
+    assert calls == ["c", "op", "op"]
 
 
 # ------------------------------------------------------------------ norm --
