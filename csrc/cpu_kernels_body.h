@@ -120,9 +120,40 @@ AMPX_INLINE void scale_vec(int dt, int sc, int wr, int ck, int rd, char *p, int6
     }
 }
 
+/* Check-only: whether every element is finite, from the bit patterns taken as integers: a
+ * magnitude reaches the all-ones exponent exactly when adding the exponent's lowest bit to it
+ * carries into the sign bit, so one AND, one ADD and one OR a lane, at the lane's width (plain
+ * loops the compiler vectorises for each file's ISA, SSE2 included). If none does, nothing
+ * needs classifying; otherwise the caller classifies as every other mode does. On 16-bit data
+ * in cache, where the monitor's hooks read it, about twice as fast as classifying each vector. */
+AMPX_INLINE int all_finite_bits(int dt, const char *p, int64_t n)
+{
+    if (dt == AMPX_F32) {
+        uint32_t bad = 0;
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t a;
+            memcpy(&a, p + 4 * i, 4);
+            bad |= (a & 0x7fffffffu) + 0x00800000u;
+        }
+        return !(bad & 0x80000000u);
+    }
+    const uint16_t low = dt == AMPX_F16 ? 0x0400u : 0x0080u; /* the exponent's lowest bit */
+    uint16_t bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint16_t a;
+        memcpy(&a, p + 2 * i, 2);
+        bad |= (uint16_t)((a & 0x7fffu) + low);
+    }
+    return !(bad & 0x8000u);
+}
+
 AMPX_INLINE void scale_body(int dt, int mode, void *ptr, int64_t n, double factor,
                             ampx_partial *out)
 {
+    if (mode == AMPX_M_CHECK && all_finite_bits(dt, (const char *)ptr, n)) {
+        finish_partial(0, 0.0, 0.0f, 0u, 0u, out);
+        return;
+    }
     const int sc = mode & AMPX_M_SCALE, wr = mode & AMPX_M_WRITE, ck = mode & AMPX_M_CHECK;
     const int rd = AMPX_MODE_REDUCE(mode);
     char *p = (char *)ptr;

@@ -358,6 +358,26 @@ def test_check_flags_positional_entry_matches_the_reference(simd, threaded, dtyp
     assert via.tolist() == flags.tolist()
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dt_id)
+def test_check_only_prescreen_at_the_edge_of_finite(simd, dtype):
+    """check_finite's integer prescreen (all_finite_bits) against the format's edges: the largest
+    finite magnitude, -0.0 and subnormals stay clean; inf and NaN at every position of a
+    tensor longer than two vectors (and of its tail) are flagged with their own bit."""
+    fi = torch.finfo(dtype)
+    edge = torch.tensor([fi.max, -fi.max, -0.0, fi.tiny / 4, -fi.smallest_normal], dtype=dtype)
+    n = 2 * 64 + 5
+    clean = edge.repeat(n // len(edge) + 1)[:n].clone()
+    flags = torch.full((1,), 0xFF, dtype=torch.uint8)
+    ops.check_finite([clean], None, flags=flags)
+    assert flags.item() == 0
+    for bad, bit in ((math.inf, ops.FLAG_INF), (-math.inf, ops.FLAG_INF), (math.nan, ops.FLAG_NAN)):
+        for i in range(n):
+            t = clean.clone()
+            t[i] = bad
+            ops.check_finite([t], None, flags=flags)
+            assert flags.item() == bit, (bad, i)
+
+
 @pytest.mark.parametrize("args, exc, text", [
     (([torch.ones(2)], torch.zeros(2, dtype=torch.uint8), 1), ValueError, "flags must have 1 element(s), not 2"),
     (([torch.ones(2)], torch.zeros(1), 1), TypeError, "flags must have dtype torch.uint8"),
