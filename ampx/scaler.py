@@ -18,6 +18,7 @@ from .checkpoint import CheckpointMixin
 from .sharding import LayoutRefused, agree, check_sharded_placements, combine, is_sharded_dtensor, refusals_shared
 from .telemetry import OverflowReport, TelemetryMixin, _LazySkip
 from .call_args import check_step_args, clip_args
+from .compile_guard import host_driven
 from .integrations._wrappers import drives_scaler_itself, fabric_stepper, resolve_optimizer
 
 __all__ = ["GradScaler", "ShardedGradScaler", "OverflowReport"]
@@ -358,6 +359,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
 
     # ---- clipping ---------------------------------------------------------------------
 
+    @host_driven
     def clip_grad_norm_(self, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """Unscales and clips the optimizer's gradients; returns their total norm (unscaled).
 
@@ -555,6 +557,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
 
     # ---- step and update --------------------------------------------------------------
 
+    @host_driven
     def unscale_(self, optimizer):
         """Unscales the optimizer's gradients in place and checks them for inf/NaN (as torch)."""
         optimizer = resolve_optimizer(optimizer, "unscale_")
@@ -565,6 +568,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         _TorchScaler.unscale_(self, optimizer)
 
+    @host_driven
     def step(self, optimizer, *args, **kwargs):
         """Steps the optimizer unless its gradients held inf/NaN; returns what its step returns.
 
@@ -625,6 +629,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         self.last_step_skipped = skipped
         return retval
 
+    @host_driven
     def update(self, new_scale=None):
         """Updates the scale after all optimizers stepped (torch's rule, plus the extras).
 

@@ -359,10 +359,51 @@ def test_compiled_train_step_with_the_scaler(opt_kind):
     _same_bits(_train(opt_kind, True), _train(opt_kind, False))
 
 
-def test_compiled_foreach_adam_matches_torchs_scaler():
-    """Dynamo traces a foreach Adam's step into other ops than eager's (torch's scaler then gives
-    other bits than eager too); ampx's scaler gives torch's scaler's bits under the same compile."""
-    _same_bits(_train("adam_foreach", True), _train("adam_foreach", True, torch.amp.GradScaler))
+def test_compiled_foreach_adam_gives_eager_bits():
+    """Dynamo traces a foreach Adam's step into other ops than eager's, so torch's scaler, whose
+    step dynamo traces into, gives other bits compiled than eager. ampx's step, unscale_,
+    clip_grad_norm_ and update run eagerly under compile (ampx/compile_guard.py), the
+    optimizer's step with them: compiled, ampx gives its eager bits."""
+    _same_bits(_train("adam_foreach", True), _train("adam_foreach", False))
+    torchs = _train("adam_foreach", True, torch.amp.GradScaler)
+    assert not all(torch.equal(a, b) for a, b in zip(torchs, _train("adam_foreach", False, torch.amp.GradScaler)))
+
+
+def test_fullgraph_post_backward_step_says_why_and_what_to_compile():
+    """The scaler's host-driven calls cannot be one graph: under fullgraph=True the error names
+    the call, why, and what to compile instead (with a fused optimizer too)."""
+    from ampx.compile_guard import _TAKES_REASON
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = ampx.GradScaler("cpu")
+    scaler.scale(model(torch.randn(8, 4)).pow(2).mean()).backward()
+    before = [p.detach().clone() for p in model.parameters()] + [p.grad.clone() for p in model.parameters()]
+    for call in ("clip_grad_norm_", "step", "update", "unscale_"):
+        fn = {"clip_grad_norm_": lambda: scaler.clip_grad_norm_(opt, 1.0), "step": lambda: scaler.step(opt),
+              "update": lambda: scaler.update(), "unscale_": lambda: scaler.unscale_(opt)}[call]
+        with pytest.raises(Exception) as info:
+            torch.compile(fn, fullgraph=True, backend="eager")()
+        text = str(info.value)
+        assert "torch.compiler.disable" in text, text
+        if _TAKES_REASON:
+            assert f"ampx.GradScaler.{call}() runs eagerly under torch.compile" in text, text
+            assert "outside the fullgraph function" in text
+        torch._dynamo.reset()
+    _same_bits([p.detach() for p in model.parameters()] + [p.grad for p in model.parameters()], before)
+
+
+def test_host_driven_without_a_reason_keyword():
+    """A torch whose compiler.disable takes no reason: the call is still disabled, without one."""
+    from ampx.compile_guard import host_driven
+
+    def f(x):
+        return x + 1
+
+    g = host_driven(f, takes_reason=False)
+    assert g(torch.ones(1)).item() == 2.0
+    with pytest.raises(Exception, match="torch.compiler.disable"):
+        torch.compile(lambda x: g(x), fullgraph=True, backend="eager")(torch.ones(1))
 
 
 def test_compiled_train_step_under_inductor_matches_torchs_scaler():
