@@ -195,10 +195,12 @@ def test_masters_skip_the_injected_step_alone_hold_the_lr_and_follow_torch(dtype
     assert all(m.dtype == torch.float32 for m in prec.optimizer.masters)
     # Without a clip ampx and torch are bit-identical. ampx's clip coefficient comes from a norm
     # accumulated in float64, so it differs from torch's float32 one in the last bits; fp16
-    # parameters round that difference up to an fp16 ulp after a few steps, and the runs part
-    # (bf16 ones stay within 1e-6). With fp16 and a clip, the first two steps are compared.
+    # parameters round that difference up to an ulp after a few steps (a master a last bit apart
+    # that rounds to the other neighbour), and the runs part: measured on an AVX-512 Xeon, bf16
+    # ones 2.3e-4 relative on 17 of 2,048 elements by the last step. With a clip, the first two
+    # steps are compared.
     exact = max_norm is None
-    compared = 2 if (dtype == torch.float16 and not exact) else STEPS
+    compared = STEPS if exact else 2
     for i, (a, b) in enumerate(zip(ours, ref)):
         assert a["skipped"] == b["skipped"] and a["lr"] == pytest.approx(b["lr"], rel=1e-12)
         assert all(torch.equal(p, m.to(dtype)) for p, m in zip(a["params"], a["masters"]))
