@@ -3,7 +3,7 @@
 Owns the checkpoint format (torch's five keys plus ampx's extras, which torch's scaler ignores)
 and its rules: a dict is checked whole against the constructor's rules before anything changes,
 and everything a resumed run needs to repeat the uninterrupted one bit for bit travels with it
-(the hysteresis tracker, the growth timing, the clip route of each optimizer, and the counters
+(the hysteresis tracker, the growth timing, the clip_norm setting, the clip route of each optimizer, and the counters
 and scale history ``stats()`` reports). ``GradScaler``
 (ampx/scaler.py) inherits ``CheckpointMixin``; torch's methods are named, not reached through
 super(), for the reason given there.
@@ -35,6 +35,7 @@ class CheckpointMixin:
             "max_scale": self._max_scale,
             "dynamic": self._dynamic,
             "growth_timing": self.__dict__.get("_growth_timing", "torch"),
+            "clip_norm": self.__dict__.get("_clip_norm", "exact"),
             "_hysteresis_tracker": self._get_hysteresis_tracker(),
             # which clip route each optimizer's next step takes (it decides the last bits of
             # the gradients, so an exact resume needs it)
@@ -70,6 +71,7 @@ class CheckpointMixin:
         self._max_scale = new["max_scale"]
         self._dynamic = new["dynamic"]
         self._growth_timing = new["growth_timing"]
+        self._clip_norm = new["clip_norm"]
         self._init_hysteresis_tracker = new["_hysteresis_tracker"]
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(new["_hysteresis_tracker"])
@@ -89,19 +91,20 @@ class CheckpointMixin:
                "consecutive_hysteresis": sd.get("consecutive_hysteresis", self._consecutive_hysteresis),
                "min_scale": sd.get("min_scale", self._min_scale), "max_scale": sd.get("max_scale", self._max_scale),
                "dynamic": sd.get("dynamic", self._dynamic),
-               "growth_timing": sd.get("growth_timing", self.__dict__.get("_growth_timing", "torch"))}
+               "growth_timing": sd.get("growth_timing", self.__dict__.get("_growth_timing", "torch")),
+               "clip_norm": sd.get("clip_norm", self.__dict__.get("_clip_norm", "exact"))}
         new["_hysteresis_tracker"] = sd.get("_hysteresis_tracker", new["hysteresis"])
 
         def bad(key, rule):
             raise ValueError(f"{op}: state_dict[{key!r}] must be {rule}, not {sd.get(key)!r}")
 
         keys = ("scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale",
-                "max_scale", "growth_timing")
+                "max_scale", "growth_timing", "clip_norm")
         settings.check_settings(
             op, {k: f"state_dict[{k!r}]" for k in keys} | {"init_scale": "state_dict['scale']"},
             init_scale=sd["scale"], growth_factor=sd["growth_factor"], backoff_factor=sd["backoff_factor"],
             growth_interval=sd["growth_interval"], hysteresis=new["hysteresis"], min_scale=new["min_scale"],
-            max_scale=new["max_scale"], growth_timing=new["growth_timing"])
+            max_scale=new["max_scale"], growth_timing=new["growth_timing"], clip_norm=new["clip_norm"])
         settings.check_growth_tracker(op, "state_dict['_growth_tracker']", sd["_growth_tracker"],
                                       new["growth_timing"])
         for key in ("consecutive_hysteresis", "dynamic"):

@@ -28,7 +28,7 @@ _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _SCALING = ("auto", "dynamic", "static", "none")
 _BACKENDS = ("auto", "none", "ddp", "fsdp", "fsdp2", "deepspeed")
 _SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "growth_timing", "hysteresis",
-                "consecutive_hysteresis", "min_scale", "max_scale", "on_min_scale")
+                "consecutive_hysteresis", "min_scale", "max_scale", "on_min_scale", "clip_norm")
 
 
 class PerformanceWarning(UserWarning):
@@ -173,6 +173,8 @@ class Policy:
             ``growth_timing`` left as None take the backend's own behaviour: ampx's scaler's
             defaults ("warn", "torch"), and under DeepSpeed DeepSpeed's (see
             ``deepspeed_config``); set explicitly, they are honoured or refused.
+        clip_norm: as ``ampx.GradScaler``'s ("exact" or "torch"), for the scaler ``grad_scaler()``
+            builds, the disabled one of bf16 included (DeepSpeed clips by its own norm: not sent there).
 
     Raises:
         ValueError: an unknown dtype, loss_scaling or backend; loss scaling asked for with fp32.
@@ -191,7 +193,7 @@ class Policy:
     def __init__(self, dtype="auto", loss_scaling="auto", master_weights=False, backend="auto", *,
                  device=None, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
                  growth_interval=2000, hysteresis=1, consecutive_hysteresis=False, min_scale=None,
-                 max_scale=None, on_min_scale=None, growth_timing=None):
+                 max_scale=None, on_min_scale=None, growth_timing=None, clip_norm="exact"):
         self.device = _as_device(device)
         if loss_scaling not in _SCALING:
             raise ValueError(f"loss_scaling must be one of {_SCALING}, not {loss_scaling!r}")
@@ -223,14 +225,14 @@ class Policy:
         settings.check_settings(
             "ampx.Policy", init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
             growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
-            on_min_scale=on_min_scale, growth_timing=growth_timing)
+            on_min_scale=on_min_scale, growth_timing=growth_timing, clip_norm=clip_norm)
         if not isinstance(consecutive_hysteresis, bool):
             raise ValueError(f"ampx.Policy: consecutive_hysteresis must be True or False, not {consecutive_hysteresis!r}")
         self.scaler_kwargs = dict(init_scale=init_scale, growth_factor=growth_factor,
                                   backoff_factor=backoff_factor, growth_interval=growth_interval,
                                   hysteresis=hysteresis, consecutive_hysteresis=consecutive_hysteresis,
                                   min_scale=min_scale, max_scale=max_scale, on_min_scale=on_min_scale,
-                                  growth_timing=growth_timing)
+                                  growth_timing=growth_timing, clip_norm=clip_norm)
 
     # ---- choosing -----------------------------------------------------------------------
 

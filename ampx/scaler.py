@@ -12,6 +12,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from . import _C, ops, settings
+from .clip_dtype import as_torch_dtype
 from .cuda import _capturing
 from .master import MasterWeights
 from .checkpoint import CheckpointMixin
@@ -63,6 +64,11 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             ranks skip the same steps and ``clip_grad_norm_`` clips by the global norm. Leave it
             None for DDP and single-process training: their gradients are already identical
             on every rank and need no collective.
+        clip_norm: how ``clip_grad_norm_`` computes the norm of low-precision gradients
+            (ampx/clip_dtype.py): "exact" (ampx's norm, accumulated in float64 and returned in
+            the dtype torch's clip returns: bf16 for bf16 gradients) or "torch" (unscale, then
+            ``torch.nn.utils.clip_grad_norm_``: torch's norm and gradients, bit for bit). Both
+            give the same for float32 gradients' norms up to float32 rounding.
 
     Raises:
         ampx.SettingError (a ValueError, and an AssertionError as torch raises): growth_factor
@@ -71,7 +77,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             init_scale not a finite number in (0, float32's largest]; growth_factor NaN or inf;
             backoff_factor NaN or <= 0; growth_interval or hysteresis not an integer from 1 to
             2**31 - 1; min_scale not in [0, float32's largest]; max_scale < min_scale; an unknown
-            on_min_scale or growth_timing. Every configuration torch accepts that trains without
+            on_min_scale, growth_timing or clip_norm. Every configuration torch accepts that trains without
             writing NaN works the same here.
     """
 
@@ -86,14 +92,14 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                  growth_interval=2000, enabled=True, *, hysteresis=1, consecutive_hysteresis=False,
                  min_scale=None, max_scale=None, on_min_scale="warn", dynamic=True,
                  named_parameters=None, history=1000, on_overflow=None, process_group=None,
-                 growth_timing="torch", explain_overflows=False):
+                 growth_timing="torch", explain_overflows=False, clip_norm="exact"):
         # Every setting is checked before anything is built (torch's own two rules included, so
         # its bare AssertionError becomes a SettingError naming the setting, and a NaN that
         # slips past torch's comparisons is refused).
         lo, hi = settings.check_settings(
             "ampx.GradScaler", init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
             growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
-            on_min_scale=on_min_scale, growth_timing=growth_timing)
+            on_min_scale=on_min_scale, growth_timing=growth_timing, clip_norm=clip_norm)
         # torch's own methods are named, not reached through super(): ampx.ShardedGradScaler
         # also derives from torch's ShardedGradScaler, whose overrides must not run here.
         _TorchScaler.__init__(self, device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
@@ -107,6 +113,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         self._on_min_scale = on_min_scale
         self._dynamic = bool(dynamic)
         self._growth_timing = growth_timing
+        self._clip_norm = clip_norm
         if growth_timing == "deepspeed":
             self._init_growth_tracker = -1  # DeepSpeed grows on the (w+1)-th clean step first
         self._init_hysteresis_tracker = self._hysteresis
@@ -384,7 +391,11 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                 an overflowing step is normally just skipped).
 
         Returns:
-            The total norm as a 0-dim float32 tensor (inf/NaN on an overflowing step).
+            The total norm as a 0-dim tensor (inf/NaN on an overflowing step) of the dtype torch's
+            clip returns for these gradients: float32 for float32 ones and for ``MasterWeights``
+            (its float32 masters), bf16 for bf16 ones, the promoted dtype for a mix. With
+            ``clip_norm="exact"`` it is ampx's exact norm rounded to that dtype (the clip itself
+            uses the float32 value); with ``clip_norm="torch"``, torch's own.
 
         Raises:
             RuntimeError: called twice, or after ``step``, in the same iteration.
@@ -412,7 +423,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
     def _clip(self, optimizer, state, max_norm, norm_type, error_if_nonfinite):
         """clip_grad_norm_ past its checks: picks the route."""
         reduce = _ORD.get(norm_type)
-        if reduce is None:
+        if reduce is None or self.__dict__.get("_clip_norm") == "torch":
             return self._clip_other_norm(optimizer, state, max_norm, norm_type, error_if_nonfinite)
         # An optimizer that reads plain gradients needs them unscaled and clipped in memory. If
         # the last step did not clip (norm <= max_norm), expect the same: unscale in place while
@@ -438,7 +449,9 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                                                 error_if_nonfinite)
         if plain and on_cpu:
             hints[id(optimizer)] = float(coef) < 1.0
-        return total
+        if isinstance(optimizer, MasterWeights):
+            return total  # the float32 masters' norm
+        return as_torch_dtype(total, self._params_with_grads(optimizer)[1])
 
     def _clip_without_scaling(self, optimizer, max_norm, norm_type, error_if_nonfinite):
         """A disabled scaler (bf16, fp32): no unscale, but still one fused norm and one fused
@@ -450,7 +463,8 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         else:
             params, grads, devices = self._params_with_grads(optimizer)
         ord_ = float(norm_type)
-        if grads and ord_ in _ORD and not error_if_nonfinite and devices is None:
+        exact = self.__dict__.get("_clip_norm") != "torch"
+        if exact and grads and ord_ in _ORD and not error_if_nonfinite and devices is None:
             with torch.no_grad():
                 try:
                     total = ops.norm(grads, ord_, _split=_split(optimizer))  # reads only: nothing to undo
@@ -459,24 +473,26 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                 if total is not None:
                     ops.mul_(grads, _clip_coef(max_norm, total), _split=_split(optimizer))
                     self._last_norm = total
-                    return total
+                    return total if isinstance(optimizer, MasterWeights) else as_torch_dtype(total, grads)
         total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
         self._last_norm = total
         return total
 
     def _clip_other_norm(self, optimizer, state, max_norm, norm_type, error_if_nonfinite):
-        """Route 1, a norm the kernels do not compute (p other than 2, 1, inf): unscale, then
-        torch's own clip."""
+        """Route 1, a norm the kernels do not compute (p other than 2, 1, inf), or clip_norm="torch":
+        unscale, then torch's own clip (of the masters' gradients, for master weights)."""
+        what = f"norm_type={float(norm_type)}" if _ORD.get(norm_type) is None else "clip_norm='torch'"
         if self._sharded and _group_size(self.process_group) > 1 and not all(
                 hasattr(g, "to_local") for g in self._params_with_grads(optimizer)[1]):
             # (DTensor gradients are fine: torch's clip reduces their norm over their meshes)
             raise ValueError(
-                f"ampx.GradScaler(process_group=...): clip_grad_norm_ with norm_type={float(norm_type)} would take "
+                f"ampx.GradScaler(process_group=...): clip_grad_norm_ with {what} would take "
                 "torch's norm of this rank's plain gradient shards only, so ranks would clip by different norms; "
-                "the norms the ranks agree on are 2, 1 and inf (nothing was unscaled or clipped)")
+                "the norms the ranks agree on are ampx's own (clip_norm='exact') of order 2, 1 and inf "
+                "(nothing was unscaled or clipped)")
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
-        params, _, _ = self._params_with_grads(optimizer)
+        params, _, _ = self._params_with_grads(optimizer, unscaled=isinstance(optimizer, MasterWeights))
         total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
         state["clipped"] = True
         self._last_norm = total

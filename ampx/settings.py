@@ -18,6 +18,7 @@ FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
 INT32_MAX = 2**31 - 1
 ON_MIN_SCALE = ("warn", "raise", "ignore")
 GROWTH_TIMINGS = ("torch", "deepspeed")
+CLIP_NORMS = ("exact", "torch")  # ampx/clip_dtype.py says what each means
 
 
 class SettingError(ValueError, AssertionError):
@@ -46,7 +47,8 @@ def check_scale_value(op, name, value):
 
 
 def check_settings(op, names=None, *, init_scale, growth_factor, backoff_factor, growth_interval,
-                   hysteresis=1, min_scale=None, max_scale=None, on_min_scale="warn", growth_timing="torch"):
+                   hysteresis=1, min_scale=None, max_scale=None, on_min_scale="warn", growth_timing="torch",
+                   clip_norm="exact"):
     """Raises ValueError (``SettingError`` where torch raises AssertionError) naming ``op`` and
     the setting, for any setting the scaler cannot honour. ``names`` maps a setting to how the
     caller's user wrote it (``state_dict['scale']`` for a checkpoint)."""
@@ -87,6 +89,9 @@ def check_settings(op, names=None, *, init_scale, growth_factor, backoff_factor,
         bad("on_min_scale", on_min_scale, f"one of {ON_MIN_SCALE}")
     if growth_timing not in GROWTH_TIMINGS:
         bad("growth_timing", growth_timing, f"one of {GROWTH_TIMINGS}")
+    if clip_norm not in CLIP_NORMS:
+        bad("clip_norm", clip_norm, f"one of {CLIP_NORMS} ('exact': ampx's exact norm, returned in torch's dtype; "
+            "'torch': torch's own clip_grad_norm_, bit for bit)")
     return float(lo), float(hi)
 
 

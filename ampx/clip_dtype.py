@@ -1,0 +1,37 @@
+"""The dtype of the norm ``GradScaler.clip_grad_norm_`` returns, and its ``clip_norm`` setting.
+
+ampx computes a clip's norm exactly (squares summed in float64, rounded to float32 once) and
+clips by that float32 value whatever the gradients' dtype. torch's
+``torch.nn.utils.clip_grad_norm_`` works in the gradients' dtype: per-tensor norms by
+``_foreach_norm`` in each gradient's dtype, combined by ``vector_norm(stack(norms))`` (so a mix of
+dtypes promotes, as ``torch.stack`` does: bf16 with fp16 gives float32), and returns that dtype.
+For bf16 or fp16 gradients its norm is rounded several times (about 0.2% off for a bf16 model).
+
+``clip_norm="exact"`` (the default) keeps ampx's exact norm and coefficient and returns the norm
+in torch's dtype, rounded to it from the float32 value (float32 gradients: the float32 tensor
+itself, unchanged). ``clip_norm="torch"`` takes torch's own route: ``unscale_``, then
+``torch.nn.utils.clip_grad_norm_``, for a norm and gradients bit-identical to torch's.
+
+``ampx.MasterWeights`` clips the float32 masters' gradients, so its norm is float32 (as torch's
+clip of those float32 gradients would be).
+"""
+import torch
+
+from .settings import CLIP_NORMS  # noqa: F401 (the setting's values, checked there)
+
+
+def torch_norm_dtype(grads):
+    """The dtype torch's clip_grad_norm_ returns for these gradients (float32 for none)."""
+    dtype = None
+    for g in grads:
+        dtype = g.dtype if dtype is None else torch.promote_types(dtype, g.dtype)
+    return torch.float32 if dtype is None else dtype
+
+
+def as_torch_dtype(total, grads):
+    """``total`` (ampx's float32 norm) in the dtype torch returns for ``grads``: the same tensor
+    when that is float32, else one rounding of it (on its device, no host read)."""
+    dtype = torch_norm_dtype(grads)
+    if total is None or dtype == total.dtype:
+        return total
+    return total.to(dtype)
