@@ -5,7 +5,9 @@
 tensor, against torch's per-tensor equivalent over the same list (for each tensor:
 ``torch.aminmax`` of |x|, ``torch.histc`` of log2|x| over float32's exponent range and
 ``torch.isfinite(x).all()``) and against the read ceiling measured in the same loop
-(``x.sum()`` over a float32 tensor of the same bytes). Contenders are interleaved, their order
+(``x.sum()`` over a float32 tensor of the same bytes), with ``ampx.ops.norm`` (one plain read
+pass of ampx's) beside it: the time an element of each says whether the histogram or the memory
+bounds the kernel. Contenders are interleaved, their order
 rotated each repetition, medians reported (bench_kernels.interleaved). Targets: at least 0.85
 of the read ceiling, at least 5x torch on the 10,000-tensor list.
 
@@ -57,7 +59,8 @@ def stats_case(name, ts, reps, warmup, results):
     out = torch.empty(len(ts), S.WIDTH, dtype=torch.float64)
     cname, cfn = bk.ceiling_fns(nbytes, "read")
     fns = {"ampx tensor_stats": lambda: ops.tensor_stats(ts, out=out),
-           "torch aminmax+histc+isfinite": lambda: torch_stats(ts), cname: cfn}
+           "torch aminmax+histc+isfinite": lambda: torch_stats(ts), cname: cfn,
+           "ampx norm": lambda: ops.norm(ts)}
     times = bk.interleaved(fns, reps, warmup)
     med = {k: statistics.median(v) for k, v in times.items()}
     spread = {k: (min(v), max(v)) for k, v in times.items()}
@@ -65,13 +68,15 @@ def stats_case(name, ts, reps, warmup, results):
     a = med["ampx tensor_stats"]
     rec = {"case": name, "bytes_read": nbytes, "bytes_written": out_bytes, "ceiling_gbps": ceil_gbps,
            "ampx_s": a, "torch_s": med["torch aminmax+histc+isfinite"], "ceiling_s": med[cname],
+           "norm_s": med["ampx norm"], "numel": sum(t.numel() for t in ts),
            "spread": spread, "vs_torch": med["torch aminmax+histc+isfinite"] / a,
            "frac_ceiling_read": (nbytes / a / 1e9) / ceil_gbps,
            "frac_ceiling_read_write": ((nbytes + out_bytes) / a / 1e9) / ceil_gbps}
     results.append(rec)
     print(f"{name:<22} ampx {a * 1e3:8.2f} ms  torch {rec['torch_s'] * 1e3:9.2f} ms  "
           f"ceiling {med[cname] * 1e3:7.2f} ms ({ceil_gbps:5.1f} GB/s)  x{rec['vs_torch']:6.1f} vs torch  "
-          f"{rec['frac_ceiling_read']:.2f} of ceiling (read), {rec['frac_ceiling_read_write']:.2f} (read+out)")
+          f"{rec['frac_ceiling_read']:.2f} of ceiling (read), {rec['frac_ceiling_read_write']:.2f} (read+out); "
+          f"{a / rec['numel'] * 1e9:.2f} ns an element (ampx norm {rec['norm_s'] / rec['numel'] * 1e9:.2f})")
     return rec
 
 
