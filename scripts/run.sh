@@ -52,7 +52,7 @@ esac
 # tests/_frameworks.py puts on the path only while timm is imported (it says why).
 nodeps=(timm==1.0.31 torchtune==0.6.1 torchao==0.11.0 torchdata==0.11.0 trl==1.16.0 peft==0.21.2 diffusers==0.42.1)
 their_needs=(datasets==5.2.0 omegaconf==2.4.0 tiktoken==0.14.0 sentencepiece==0.2.3 blobfile==3.3.0
-             kagglehub==1.0.3 lazy-importer==0.1.0)
+             kagglehub==1.0.3 lazy-importer==0.1.0 importlib-metadata==10.2.0)
 install_nodeps() {
   pip_q --no-deps "${nodeps[@]}"
   DS_BUILD_OPS=0 pip_q "${base[@]}" "${their_needs[@]}" "${need[@]}"
