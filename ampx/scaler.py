@@ -12,6 +12,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from . import _C, ops, settings
+from . import rank_check
 from .clip_dtype import as_torch_dtype
 from .cuda import _capturing
 from .master import MasterWeights
@@ -68,6 +69,14 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             the dtype torch's clip returns: bf16 for bf16 gradients) or "torch" (unscale, then
             ``torch.nn.utils.clip_grad_norm_``: torch's norm and gradients, bit for bit). Both
             give the same for float32 gradients' norms up to float32 rounding.
+        check_ranks: True under DDP (no ``process_group``) to make every rank skip the step when
+            any rank's gradients hold inf/NaN after the all-reduce (a rank-local fault, a hook
+            writing after the reduction), which otherwise lets that rank skip while the others
+            step (torch's scaler too). The step's one gradient pass then all-reduces the overflow
+            flag over the default group: one 16-byte all-reduce per step (about 180 us on gloo
+            on a CPU host, plus waiting for the slowest rank; ampx/rank_check.py). The norm is not reduced (DDP's is the same on every rank). Without an
+            initialised process group it does nothing; with ``process_group`` (already agreeing)
+            it is refused. A disabled scaler checks nothing, so it has no effect there either.
 
     Raises:
         ampx.SettingError (a ValueError, and an AssertionError as torch raises): growth_factor
@@ -76,7 +85,8 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             init_scale not a finite number in (0, float32's largest]; growth_factor NaN or inf;
             backoff_factor NaN or <= 0; growth_interval or hysteresis not an integer from 1 to
             2**31 - 1; min_scale not in [0, float32's largest]; max_scale < min_scale; an unknown
-            on_min_scale, growth_timing or clip_norm. Every configuration torch accepts that trains without
+            on_min_scale, growth_timing or clip_norm; check_ranks not True/False, or True with
+            process_group. Every configuration torch accepts that trains without
             writing NaN works the same here.
     """
 
@@ -91,7 +101,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                  growth_interval=2000, enabled=True, *, hysteresis=1, consecutive_hysteresis=False,
                  min_scale=None, max_scale=None, on_min_scale="warn", dynamic=True,
                  named_parameters=None, history=1000, on_overflow=None, process_group=None,
-                 growth_timing="torch", explain_overflows=False, clip_norm="exact"):
+                 growth_timing="torch", explain_overflows=False, clip_norm="exact", check_ranks=False):
         # Every setting is checked before anything is built (torch's own two rules included, so
         # its bare AssertionError becomes a SettingError naming the setting, and a NaN that
         # slips past torch's comparisons is refused).
@@ -99,12 +109,14 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             "ampx.GradScaler", init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
             growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
             on_min_scale=on_min_scale, growth_timing=growth_timing, clip_norm=clip_norm)
+        check_ranks = rank_check.checked("ampx.GradScaler", check_ranks, process_group is not None)
         # torch's own methods are named, not reached through super(): ampx.ShardedGradScaler
         # also derives from torch's ShardedGradScaler, whose overrides must not run here.
         _TorchScaler.__init__(self, device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
         self._per_optimizer_states = _fresh_states()  # torch's has only torch's keys
         self.process_group = process_group
         self._sharded = process_group is not None
+        self._check_ranks = check_ranks
         self._hysteresis = int(hysteresis)
         self._consecutive_hysteresis = bool(consecutive_hysteresis)
         self._min_scale = lo
@@ -241,12 +253,15 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         stream, with no host sync). Gradients spread over several devices (model parallel,
         CPU offload) take one call per device.
         """
-        if not self._sharded:
+        sharded = self._sharded
+        if not (sharded or (need_found and self.__dict__.get("_check_ranks"))):
             return self._local_pass(optimizer, inv_scale, found_inf, allow_fp16, write, reduce, unscaled)
+        # (check_ranks: the flag alone is agreed on, over the default group; the norm stays local)
         # torch's ShardedGradScaler allows fp16 (FSDP may keep fp16 gradients)
         with self._refusals(optimizer, found_inf.device, reduce, need_found):
-            per_device, total = self._local_pass(optimizer, inv_scale, found_inf, True, write, reduce, unscaled)
-            if then_written and not write:
+            per_device, total = self._local_pass(optimizer, inv_scale, found_inf, allow_fp16 or sharded, write,
+                                                 reduce, unscaled)
+            if sharded and then_written and not write:
                 _check_written(self._last_grads)
             if not per_device:
                 found = found_inf.clone()
@@ -256,7 +271,9 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                 found = next(iter(per_device.values()))
         monitor = self._monitor
         flagged = monitor._flagged_now() if monitor is not None else None
-        found, total, ranks = agree(found if need_found else None, total, reduce, self.process_group, flagged)
+        found, agreed, ranks = agree(found if need_found else None, total if sharded else None,
+                                     reduce if sharded else _C.REDUCE_NONE, self.process_group, flagged)
+        total = agreed if sharded else total
         if monitor is not None:
             monitor._flagged_ranks = ranks
         return ({} if found is None else {found.device: found}), total
@@ -293,7 +310,9 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         that a step() after the error skips as theirs do and a retried call raises instead of
         issuing a collective they would not join (the one exception to all-or-nothing)."""
         if not self._sharded:
-            return contextlib.nullcontext()
+            if not self.__dict__.get("_check_ranks"):
+                return contextlib.nullcontext()
+            reduce = _C.REDUCE_NONE  # check_ranks' collective carries the flag only
 
         def settle():
             state = self._per_optimizer_states[id(optimizer)]
@@ -402,7 +421,12 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                 or NaN, error_if_nonfinite not a truth value; nothing has changed then.
         """
         optimizer = resolve_optimizer(optimizer, "clip_grad_norm_")
-        if not (self._enabled and self._sharded):  # (sharded: inside the refusal block below)
+        # check_ranks: only a clip whose pass carries the flag (not after unscale_) shares a refusal
+        seen = self._per_optimizer_states.get(id(optimizer)) or {}  # (.get: a refused call adds no state)
+        agreeing = self._sharded or (self._enabled and self.__dict__.get("_check_ranks", False)
+                                     and seen.get("stage", OptState.READY) is OptState.READY
+                                     and not seen.get("inf_checked"))
+        if not (self._enabled and agreeing):  # (agreeing with other ranks: inside the refusal block below)
             max_norm, norm_type, error_if_nonfinite = clip_args(max_norm, norm_type, error_if_nonfinite)
         if not self._enabled:
             return self._clip_without_scaling(optimizer, max_norm, norm_type, error_if_nonfinite)
@@ -413,8 +437,9 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("clip_grad_norm_() is being called after step().")
         # Sharded, a bad argument on one rank reaches the others as this call's collective would.
-        with self._refusals(optimizer, self._scale.device, _reduce_of(norm_type), clipping=True):
-            if self._sharded:
+        with (self._refusals(optimizer, self._scale.device, _reduce_of(norm_type), clipping=True) if agreeing
+              else contextlib.nullcontext()):
+            if agreeing:
                 max_norm, norm_type, error_if_nonfinite = clip_args(max_norm, norm_type, error_if_nonfinite)
             return self._clip(optimizer, state, max_norm, norm_type, error_if_nonfinite)
 
