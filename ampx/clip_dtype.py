@@ -12,6 +12,12 @@ in torch's dtype, rounded to it from the float32 value (float32 gradients: the f
 itself, unchanged). ``clip_norm="torch"`` takes torch's own route: ``unscale_``, then
 ``torch.nn.utils.clip_grad_norm_``, for a norm and gradients bit-identical to torch's.
 
+The low-precision value is the float32 one rounded again (the kernels hand back float32): it
+equals the float64 norm rounded once to bf16/fp16 except when the float32 rounding lands exactly
+on a midpoint of the narrower format (about one norm in 2**16 for bf16, 2**13 for fp16), where it
+may be one bf16/fp16 ulp off. A float64 gradient in the list makes the result float64, holding
+the float32 value.
+
 ``ampx.MasterWeights`` clips the float32 masters' gradients, so its norm is float32 (as torch's
 clip of those float32 gradients would be).
 """
