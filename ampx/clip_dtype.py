@@ -27,17 +27,17 @@ from .settings import CLIP_NORMS  # noqa: F401 (the setting's values, checked th
 
 
 def torch_norm_dtype(grads):
-    """The dtype torch's clip_grad_norm_ returns for these gradients (float32 for none)."""
+    """The dtype torch's clip_grad_norm_ returns for these gradients (float32 for none): the
+    promotion of their dtypes, as torch.stack of their per-tensor norms makes it."""
     dtype = None
-    for g in grads:
-        dtype = g.dtype if dtype is None else torch.promote_types(dtype, g.dtype)
+    for d in {g.dtype for g in grads}:  # (a set first: ~20 us for 288 tensors, not ~100)
+        dtype = d if dtype is None else torch.promote_types(dtype, d)
     return torch.float32 if dtype is None else dtype
 
 
-def as_torch_dtype(total, grads):
-    """``total`` (ampx's float32 norm) in the dtype torch returns for ``grads``: the same tensor
+def as_torch_dtype(total, dtype):
+    """``total`` (ampx's float32 norm) in ``dtype`` (``torch_norm_dtype``'s): the same tensor
     when that is float32, else one rounding of it (on its device, no host read)."""
-    dtype = torch_norm_dtype(grads)
     if total is None or dtype == total.dtype:
         return total
     return total.to(dtype)

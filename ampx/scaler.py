@@ -13,7 +13,7 @@ from torch.amp.grad_scaler import OptState
 
 from . import _C, ops, settings
 from . import rank_check
-from .clip_dtype import as_torch_dtype
+from .clip_dtype import as_torch_dtype, torch_norm_dtype
 from .cuda import _capturing
 from .master import MasterWeights
 from .checkpoint import CheckpointMixin
@@ -474,7 +474,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             hints[id(optimizer)] = float(coef) < 1.0
         if isinstance(optimizer, MasterWeights):
             return total  # the float32 masters' norm
-        return as_torch_dtype(total, self._params_with_grads(optimizer)[1])
+        return as_torch_dtype(total, state["norm_dtype"])
 
     def _clip_without_scaling(self, optimizer, max_norm, norm_type, error_if_nonfinite):
         """A disabled scaler (bf16, fp32): no unscale, but still one fused norm and one fused
@@ -496,7 +496,9 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                 if total is not None:
                     ops.mul_(grads, _clip_coef(max_norm, total), _split=_split(optimizer))
                     self._last_norm = total
-                    return total if isinstance(optimizer, MasterWeights) else as_torch_dtype(total, grads)
+                    if isinstance(optimizer, MasterWeights):
+                        return total  # the float32 masters' norm
+                    return as_torch_dtype(total, torch_norm_dtype(grads))
         total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
         self._last_norm = total
         return total
@@ -528,6 +530,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         per_device, total = self._grad_pass(optimizer, self._inv_scale(), self._new_found_inf(), False,
                                             write=True, reduce=reduce)
         state["found_inf_per_device"] = per_device
+        state["norm_dtype"] = torch_norm_dtype(self._last_grads)
         self._check_clip_norm(total, norm_type, error_if_nonfinite)
         coef = _clip_coef(max_norm, total)
         self._last_norm = total
@@ -563,6 +566,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                 _or_found(state, agreed)
             if sources is not None:  # the overflow report stays unscale_'s, by parameter
                 self._flag_sources[id(optimizer)] = sources
+        state["norm_dtype"] = torch_norm_dtype(self._last_grads)  # the dtype torch's clip would return
         self._check_clip_norm(total, norm_type, error_if_nonfinite)
         coef = _clip_coef(max_norm, total)
         self._last_norm = total
@@ -890,6 +894,8 @@ def _fresh_opt_state():
         fused-optimizer clip route, whose unscale happens inside the optimizer's own kernel.
     clipped (False): clip_grad_norm_ ran this step (a second call is an error).
     clip_coef (None): that route's clip coefficient, folded into the fused optimizer's grad_scale.
+    norm_dtype: the dtype torch's clip would return for the gradients the clip's pass read (set
+        by that pass, before it is read).
     """
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
