@@ -36,6 +36,7 @@ class CheckpointMixin:
             "dynamic": self._dynamic,
             "growth_timing": self.__dict__.get("_growth_timing", "torch"),
             "clip_norm": self.__dict__.get("_clip_norm", "exact"),
+            "check_ranks": self.__dict__.get("_check_ranks", False),
             "_hysteresis_tracker": self._get_hysteresis_tracker(),
             # which clip route each optimizer's next step takes (it decides the last bits of
             # the gradients, so an exact resume needs it)
@@ -72,6 +73,7 @@ class CheckpointMixin:
         self._dynamic = new["dynamic"]
         self._growth_timing = new["growth_timing"]
         self._clip_norm = new["clip_norm"]
+        self._check_ranks = new["check_ranks"]
         self._init_hysteresis_tracker = new["_hysteresis_tracker"]
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(new["_hysteresis_tracker"])
@@ -107,9 +109,12 @@ class CheckpointMixin:
             max_scale=new["max_scale"], growth_timing=new["growth_timing"], clip_norm=new["clip_norm"])
         settings.check_growth_tracker(op, "state_dict['_growth_tracker']", sd["_growth_tracker"],
                                       new["growth_timing"])
-        for key in ("consecutive_hysteresis", "dynamic"):
+        new["check_ranks"] = sd.get("check_ranks", self.__dict__.get("_check_ranks", False))
+        for key in ("consecutive_hysteresis", "dynamic", "check_ranks"):
             if not isinstance(new[key], bool):
                 bad(key, "True or False")
+        if self._sharded:
+            new["check_ranks"] = False  # a sharded scaler agrees already (a DDP run resumed under FSDP)
         hints = sd.get("_clip_active", [])
         if not (isinstance(hints, (list, tuple)) and all(isinstance(h, bool) for h in hints)):
             bad("_clip_active", "a list of True/False")

@@ -12,7 +12,8 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from . import _C, ops, settings
-from .clip_dtype import as_torch_dtype
+from . import rank_check
+from .clip_dtype import as_torch_dtype, torch_norm_dtype
 from .cuda import _capturing
 from .master import MasterWeights
 from .checkpoint import CheckpointMixin
@@ -69,6 +70,14 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             the dtype torch's clip returns: bf16 for bf16 gradients) or "torch" (unscale, then
             ``torch.nn.utils.clip_grad_norm_``: torch's norm and gradients, bit for bit). Both
             give the same for float32 gradients' norms up to float32 rounding.
+        check_ranks: True under DDP (no ``process_group``) to make every rank skip the step when
+            any rank's gradients hold inf/NaN after the all-reduce (a rank-local fault, a hook
+            writing after the reduction), which otherwise lets that rank skip while the others
+            step (torch's scaler too). The step's one gradient pass then all-reduces the overflow
+            flag over the default group: one 16-byte all-reduce per step (about 180 us on gloo
+            on a CPU host, plus waiting for the slowest rank; ampx/rank_check.py). The norm is not reduced (DDP's is the same on every rank). Without an
+            initialised process group it does nothing; with ``process_group`` (already agreeing)
+            it is refused. A disabled scaler checks nothing, so it has no effect there either.
 
     Raises:
         ampx.SettingError (a ValueError, and an AssertionError as torch raises): growth_factor
@@ -77,7 +86,8 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             init_scale not a finite number in (0, float32's largest]; growth_factor NaN or inf;
             backoff_factor NaN or <= 0; growth_interval or hysteresis not an integer from 1 to
             2**31 - 1; min_scale not in [0, float32's largest]; max_scale < min_scale; an unknown
-            on_min_scale, growth_timing or clip_norm. Every configuration torch accepts that trains without
+            on_min_scale, growth_timing or clip_norm; check_ranks not True/False, or True with
+            process_group. Every configuration torch accepts that trains without
             writing NaN works the same here.
     """
 
@@ -92,7 +102,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                  growth_interval=2000, enabled=True, *, hysteresis=1, consecutive_hysteresis=False,
                  min_scale=None, max_scale=None, on_min_scale="warn", dynamic=True,
                  named_parameters=None, history=1000, on_overflow=None, process_group=None,
-                 growth_timing="torch", explain_overflows=False, clip_norm="exact"):
+                 growth_timing="torch", explain_overflows=False, clip_norm="exact", check_ranks=False):
         # Every setting is checked before anything is built (torch's own two rules included, so
         # its bare AssertionError becomes a SettingError naming the setting, and a NaN that
         # slips past torch's comparisons is refused).
@@ -100,12 +110,14 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             "ampx.GradScaler", init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
             growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
             on_min_scale=on_min_scale, growth_timing=growth_timing, clip_norm=clip_norm)
+        check_ranks = rank_check.checked("ampx.GradScaler", check_ranks, process_group is not None)
         # torch's own methods are named, not reached through super(): ampx.ShardedGradScaler
         # also derives from torch's ShardedGradScaler, whose overrides must not run here.
         _TorchScaler.__init__(self, device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
         self._per_optimizer_states = _fresh_states()  # torch's has only torch's keys
         self.process_group = process_group
         self._sharded = process_group is not None
+        self._check_ranks = check_ranks
         self._hysteresis = int(hysteresis)
         self._consecutive_hysteresis = bool(consecutive_hysteresis)
         self._min_scale = lo
@@ -242,12 +254,15 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         stream, with no host sync). Gradients spread over several devices (model parallel,
         CPU offload) take one call per device.
         """
-        if not self._sharded:
+        sharded = self._sharded
+        if not (sharded or (need_found and self.__dict__.get("_check_ranks"))):
             return self._local_pass(optimizer, inv_scale, found_inf, allow_fp16, write, reduce, unscaled)
+        # (check_ranks: the flag alone is agreed on, over the default group; the norm stays local)
         # torch's ShardedGradScaler allows fp16 (FSDP may keep fp16 gradients)
         with self._refusals(optimizer, found_inf.device, reduce, need_found):
-            per_device, total = self._local_pass(optimizer, inv_scale, found_inf, True, write, reduce, unscaled)
-            if then_written and not write:
+            per_device, total = self._local_pass(optimizer, inv_scale, found_inf, allow_fp16 or sharded, write,
+                                                 reduce, unscaled)
+            if sharded and then_written and not write:
                 _check_written(self._last_grads)
             if not per_device:
                 found = found_inf.clone()
@@ -257,7 +272,9 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                 found = next(iter(per_device.values()))
         monitor = self._monitor
         flagged = monitor._flagged_now() if monitor is not None else None
-        found, total, ranks = agree(found if need_found else None, total, reduce, self.process_group, flagged)
+        found, agreed, ranks = agree(found if need_found else None, total if sharded else None,
+                                     reduce if sharded else _C.REDUCE_NONE, self.process_group, flagged)
+        total = agreed if sharded else total
         if monitor is not None:
             monitor._flagged_ranks = ranks
         return ({} if found is None else {found.device: found}), total
@@ -294,7 +311,9 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         that a step() after the error skips as theirs do and a retried call raises instead of
         issuing a collective they would not join (the one exception to all-or-nothing)."""
         if not self._sharded:
-            return contextlib.nullcontext()
+            if not self.__dict__.get("_check_ranks"):
+                return contextlib.nullcontext()
+            reduce = _C.REDUCE_NONE  # check_ranks' collective carries the flag only
 
         def settle():
             state = self._per_optimizer_states[id(optimizer)]
@@ -404,7 +423,12 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                 or NaN, error_if_nonfinite not a truth value; nothing has changed then.
         """
         optimizer = resolve_optimizer(optimizer, "clip_grad_norm_")
-        if not (self._enabled and self._sharded):  # (sharded: inside the refusal block below)
+        # check_ranks: only a clip whose pass carries the flag (not after unscale_) shares a refusal
+        seen = self._per_optimizer_states.get(id(optimizer)) or {}  # (.get: a refused call adds no state)
+        agreeing = self._sharded or (self._enabled and self.__dict__.get("_check_ranks", False)
+                                     and seen.get("stage", OptState.READY) is OptState.READY
+                                     and not seen.get("inf_checked"))
+        if not (self._enabled and agreeing):  # (agreeing with other ranks: inside the refusal block below)
             max_norm, norm_type, error_if_nonfinite = clip_args(max_norm, norm_type, error_if_nonfinite)
         if not self._enabled:
             return self._clip_without_scaling(optimizer, max_norm, norm_type, error_if_nonfinite)
@@ -415,8 +439,9 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("clip_grad_norm_() is being called after step().")
         # Sharded, a bad argument on one rank reaches the others as this call's collective would.
-        with self._refusals(optimizer, self._scale.device, _reduce_of(norm_type), clipping=True):
-            if self._sharded:
+        with (self._refusals(optimizer, self._scale.device, _reduce_of(norm_type), clipping=True) if agreeing
+              else contextlib.nullcontext()):
+            if agreeing:
                 max_norm, norm_type, error_if_nonfinite = clip_args(max_norm, norm_type, error_if_nonfinite)
             return self._clip(optimizer, state, max_norm, norm_type, error_if_nonfinite)
 
@@ -451,7 +476,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             hints[id(optimizer)] = float(coef) < 1.0
         if isinstance(optimizer, MasterWeights):
             return total  # the float32 masters' norm
-        return as_torch_dtype(total, self._params_with_grads(optimizer)[1])
+        return as_torch_dtype(total, state["norm_dtype"])
 
     def _clip_without_scaling(self, optimizer, max_norm, norm_type, error_if_nonfinite):
         """A disabled scaler (bf16, fp32): no unscale, but still one fused norm and one fused
@@ -473,7 +498,9 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                 if total is not None:
                     ops.mul_(grads, _clip_coef(max_norm, total), _split=_split(optimizer))
                     self._last_norm = total
-                    return total if isinstance(optimizer, MasterWeights) else as_torch_dtype(total, grads)
+                    if isinstance(optimizer, MasterWeights):
+                        return total  # the float32 masters' norm
+                    return as_torch_dtype(total, torch_norm_dtype(grads))
         total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
         self._last_norm = total
         return total
@@ -505,6 +532,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         per_device, total = self._grad_pass(optimizer, self._inv_scale(), self._new_found_inf(), False,
                                             write=True, reduce=reduce)
         state["found_inf_per_device"] = per_device
+        state["norm_dtype"] = torch_norm_dtype(self._last_grads)
         self._check_clip_norm(total, norm_type, error_if_nonfinite)
         coef = _clip_coef(max_norm, total)
         self._last_norm = total
@@ -540,6 +568,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                 _or_found(state, agreed)
             if sources is not None:  # the overflow report stays unscale_'s, by parameter
                 self._flag_sources[id(optimizer)] = sources
+        state["norm_dtype"] = torch_norm_dtype(self._last_grads)  # the dtype torch's clip would return
         self._check_clip_norm(total, norm_type, error_if_nonfinite)
         coef = _clip_coef(max_norm, total)
         self._last_norm = total
@@ -870,6 +899,8 @@ def _fresh_opt_state():
         fused-optimizer clip route, whose unscale happens inside the optimizer's own kernel.
     clipped (False): clip_grad_norm_ ran this step (a second call is an error).
     clip_coef (None): that route's clip coefficient, folded into the fused optimizer's grad_scale.
+    norm_dtype: the dtype torch's clip would return for the gradients the clip's pass read (set
+        by that pass, before it is read).
     """
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 

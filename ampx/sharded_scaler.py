@@ -5,6 +5,7 @@ class means importing torch.distributed.fsdp, which costs about a third of a sec
 users never need it.
 """
 
+from . import rank_check
 from .scaler import GradScaler, _TorchScaler
 
 __all__ = ["ShardedGradScaler"]
@@ -35,6 +36,7 @@ class ShardedGradScaler(GradScaler, *filter(None, [_torch_sharded_scaler()])):
 
     def __init__(self, device="cuda", init_scale=2.0**16, backoff_factor=0.5, growth_factor=2.0,
                  growth_interval=2000, enabled=True, process_group=None, **extras):
+        rank_check.checked("ampx.ShardedGradScaler", extras.get("check_ranks", False), True)
         super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
                          backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled,
                          process_group=process_group, **extras)
