@@ -161,6 +161,8 @@ def test_cpu_fused_step_is_handed_found_inf_only_when_set(make_opt, route):
     for kind in ("ampx", "torch"):
         model = _grads_model()
         opt = make_opt(list(model.parameters()))
+        if not getattr(opt, "_step_supports_amp_scaling", False):  # torch 2.10's fused Adagrad
+            pytest.skip(f"this torch's fused {type(opt).__name__} does not take grad_scale/found_inf")
         scaler = (ampx.GradScaler if kind == "ampx" else torch.amp.GradScaler)("cpu", init_scale=2.0**8)
         seen = []
         opt.register_step_pre_hook(

@@ -1562,8 +1562,11 @@ def test_non_tensor_param_message_like_torch():
         scaler.unscale_(opt)
 
     expected = _outcome(fn, torch_scaler)
-    assert expected == (AssertionError, "expected param to be torch.Tensor, got int")
-    assert _outcome(fn, ampx_scaler) == expected
+    got = _outcome(fn, ampx_scaler)
+    # ampx's words are torch 2.13's; torch 2.10's assert has no message (scripts/check_torch.sh
+    # 2.10.0): the same exception, and ampx's words wherever torch has them
+    assert got == (AssertionError, "expected param to be torch.Tensor, got int")
+    assert expected[0] is AssertionError and expected[1] in ("", got[1])
 
 
 # ------------------------------------------------- a disabled scaler is transparent --
