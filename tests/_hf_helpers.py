@@ -113,3 +113,25 @@ def assert_stock_parity(precision, rows, stock_rows, losses, stock_losses, inf_s
     else:
         assert not all(torch.isfinite(p).all() for p in stock_rows[inf_step]["params"].values())
     return diffs
+
+
+def train(base, config, precision, ampx, tmp_path, *, model, data, name, inf_step, steps, clip=0.0, args=None,
+          **kwargs):
+    """``base`` (a Trainer class) with ampx's mixin or the stock path, ``steps`` steps of batch 4 on
+    the CPU, an inf into ``name``'s gradient at ``inf_step``; returns (trainer, Steps, the
+    trainable parameters before training). ``args``: more of ``config``'s arguments."""
+    from ampx.integrations.transformers import AmpxTrainerMixin
+
+    cls = type("T", (AmpxTrainerMixin, base) if ampx else (StockMixin, base), {})
+    args = config(str(tmp_path), use_cpu=True, report_to=[], disable_tqdm=True, max_steps=steps,
+                  per_device_train_batch_size=4, learning_rate=1e-2, max_grad_norm=clip, logging_steps=1,
+                  save_strategy="no", dataloader_num_workers=0, train_sampling_strategy="sequential",
+                  **{precision: True, **(args or {})})
+    before = snapshot(model)
+    record = Steps(name, inf_step)
+    if ampx:
+        kwargs["ampx_scaler"] = SCALER
+    trainer = cls(model=model, args=args, train_dataset=data, callbacks=[record], **kwargs)
+    record.trainer = trainer
+    trainer.train()
+    return trainer, record, before

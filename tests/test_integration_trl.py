@@ -26,12 +26,9 @@ datasets = pytest.importorskip("datasets", reason="TRL needs the datasets packag
 import torch  # noqa: E402
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
-from ampx.integrations.transformers import AmpxTrainerMixin  # noqa: E402
-
 sys.path.insert(0, os.path.dirname(__file__))
 from _accel_helpers import fresh_accelerate  # noqa: E402,F401
-from _hf_helpers import (SCALER, StockMixin, Steps, assert_ampx_run, assert_stock_parity, rel_diff, snapshot,  # noqa: E402
-                         tiny_gpt2, tiny_tokenizer, words)
+from _hf_helpers import assert_ampx_run, assert_stock_parity, rel_diff, tiny_gpt2, tiny_tokenizer, train, words  # noqa: E402,E501
 
 STEPS = 4
 INF_STEP = 2
@@ -57,22 +54,10 @@ CASES = {"sft": (SFTTrainer, SFTConfig, _sft_data), "dpo": (DPOTrainer, DPOConfi
 
 def _run(kind, precision, ampx, tmp_path, clip=0.0):
     base, config, data = CASES[kind]
-    cls = type("T", (AmpxTrainerMixin, base) if ampx else (StockMixin, base), {})
-    args = config(str(tmp_path), use_cpu=True, report_to=[], disable_tqdm=True, max_steps=STEPS,
-                  per_device_train_batch_size=4, learning_rate=1e-2, max_grad_norm=clip, logging_steps=1,
-                  save_strategy="no", gradient_checkpointing=False, dataloader_num_workers=0,
-                  train_sampling_strategy="sequential", **{precision: True})
-    model = tiny_gpt2()
-    before = snapshot(model)
-    steps = Steps(NAME, INF_STEP)
     extra = {"ref_model": tiny_gpt2()} if kind == "dpo" else {}
-    if ampx:
-        extra["ampx_scaler"] = SCALER
-    trainer = cls(model=model, args=args, train_dataset=data(), processing_class=tiny_tokenizer(), callbacks=[steps],
-                  **extra)
-    steps.trainer = trainer
-    trainer.train()
-    return trainer, steps, before
+    return train(base, config, precision, ampx, tmp_path, model=tiny_gpt2(), data=data(), name=NAME,
+                 inf_step=INF_STEP, steps=STEPS, clip=clip, args={"gradient_checkpointing": False},
+                 processing_class=tiny_tokenizer(), **extra)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
