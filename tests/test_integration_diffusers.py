@@ -9,7 +9,7 @@ injected into the gradient of one named parameter at step 2. Each run checks:
 - that step alone is skipped (``stats()["skipped_steps"] == 1``), the parameters unchanged on it and
   moving on every other step, the LR schedule held there;
 - the EMA held there too: its shadow parameters unchanged and its ``optimization_step`` (the decay
-  warm-up's count) one behind the steps;
+  warm-up's count) one behind the steps; it stays an EMAModel whose state_dict a stock one loads;
 - ``overflow_report()`` names the parameter;
 - step by step against the stock loop (torch's GradScaler for fp16, Accelerate's bf16 autocast
   as it is), unclipped: fp16 losses and parameters bit-identical on every step, the skipped one
@@ -85,6 +85,9 @@ def _run(precision, ampx, clip=None):
         rows.append({"skipped": acc.optimizer_step_was_skipped, "lr": sched.get_last_lr()[0],
                      "params": snapshot(unet), "ema": [p.clone() for p in ema.shadow_params],
                      "ema_step": ema.optimization_step})
+    if ampx:  # the held EMA is still an EMAModel, and its checkpoint a stock one
+        assert isinstance(ema, EMAModel) and set(ema.state_dict()) == set(EMAModel(_unet().parameters()).state_dict())
+        EMAModel(_unet().parameters()).load_state_dict(ema.state_dict())
     return acc.scaler, rows, losses, before
 
 
