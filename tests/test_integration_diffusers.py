@@ -22,6 +22,9 @@ import sys
 
 import pytest
 
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
 diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (pip install diffusers)")
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402

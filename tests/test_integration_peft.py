@@ -22,6 +22,9 @@ import sys
 
 import pytest
 
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
 peft = pytest.importorskip("peft", reason="PEFT is not installed (pip install peft)")
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
@@ -30,7 +33,7 @@ from transformers import Trainer, TrainingArguments  # noqa: E402
 from ampx.integrations.accelerate import patch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _accel_helpers import DTYPES, InfAt, fresh_accelerate, reset_accelerate  # noqa: E402,F401
+from _accel_helpers import InfAt, fresh_accelerate, reset_accelerate  # noqa: E402,F401
 from _hf_helpers import (SCALER, assert_ampx_run, assert_stock_parity, snapshot, tiny_gpt2, train,  # noqa: E402
                          use_torch_scaler)
 
@@ -116,4 +119,5 @@ def test_dora_through_accelerate_patch(fresh_accelerate):
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_lora_through_accelerate_patch(precision, fresh_accelerate):
-    print("accelerate", precision, _check(precision, _accelerate_run(precision, True), _accelerate_run(precision, False)))
+    diffs = _check(precision, _accelerate_run(precision, True), _accelerate_run(precision, False))
+    print("accelerate", precision, diffs)

@@ -21,6 +21,9 @@ import sys
 
 import pytest
 
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
 trl = pytest.importorskip("trl", reason="TRL is not installed (pip install trl)")
 datasets = pytest.importorskip("datasets", reason="TRL needs the datasets package")
 import torch  # noqa: E402
@@ -28,7 +31,8 @@ from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _accel_helpers import fresh_accelerate  # noqa: E402,F401
-from _hf_helpers import assert_ampx_run, assert_stock_parity, rel_diff, tiny_gpt2, tiny_tokenizer, train, words  # noqa: E402,E501
+from _hf_helpers import (assert_ampx_run, assert_stock_parity, rel_diff, tiny_gpt2, tiny_tokenizer, train,  # noqa: E402
+                         words)
 
 STEPS = 4
 INF_STEP = 2
