@@ -24,6 +24,9 @@ library), before ``prepare``:
   device (README, "Contiguous gradients"). Not with DDP's ``gradient_as_bucket_view=True``.
 - FSDP, DeepSpeed and Megatron-LM set-ups are left on Accelerate's own path (logged).
 
+``hold_on_skip(accelerator, obj)`` makes a per-step object the loop steps itself (diffusers'
+``EMAModel.step``) do nothing right after a step the accelerator skipped.
+
 Why a function that patches an instance, not an ``Accelerator`` subclass: see docs/DESIGN.md
 ("Framework integrations").
 """
@@ -39,12 +42,13 @@ from . import require
 from .. import _C
 from ..grad_buffer import GradBuffer, _refuse_bucket_views
 from ..scaler import GradScaler
+from ._hold import hold_method
 from ._wrappers import resolve_optimizer
 
 require("accelerate", "accelerate")
 from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step  # noqa: E402
 
-__all__ = ["patch", "is_patched", "AmpxAcceleratedOptimizer"]
+__all__ = ["patch", "is_patched", "hold_on_skip", "AmpxAcceleratedOptimizer"]
 
 logger = logging.getLogger("ampx")
 
@@ -290,3 +294,25 @@ _METHODS = {"prepare": _prepare, "prepare_model": _prepare_model, "prepare_optim
 def is_patched(accelerator):
     """Whether ``patch`` installed an ampx scaler on this accelerator."""
     return isinstance(getattr(accelerator, "scaler", None), GradScaler) and "clip_grad_norm_" in vars(accelerator)
+
+
+def hold_on_skip(accelerator, obj, method="step"):
+    """From now on ``obj.<method>(...)`` does nothing (returns None) when the accelerator's last
+    optimizer step was skipped (``accelerator.optimizer_step_was_skipped``), and otherwise runs
+    as before: for what the loop steps itself after ``optimizer.step()``, such as diffusers'
+    ``EMAModel.step(model.parameters())``, whose decay warm-up then counts only the steps taken.
+    (A scheduler the accelerator prepared holds already.) The object's state_dict is unchanged.
+    Returns ``obj``.
+
+    Raises:
+        TypeError: ``obj`` has no such method.
+    """
+    def rule(original, *args, **kwargs):
+        if accelerator.optimizer_step_was_skipped:
+            return None
+        return original(*args, **kwargs)
+
+    try:
+        return hold_method(obj, method, rule)
+    except TypeError as exc:
+        raise TypeError(f"hold_on_skip: {exc}") from None
