@@ -188,23 +188,29 @@ def _fp16_runs(cases):
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        procs[case] = subprocess.Popen([sys.executable, _FP16_WORKER, str(case[0]), str(port), case[1], case[2]],
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        world = case[3] if len(case) > 3 else 1  # (stage, on_min_scale, mode[, world]): one process a rank
+        procs[case] = [subprocess.Popen([sys.executable, _FP16_WORKER, str(case[0]), str(port), case[1], case[2],
+                                         f"{rank}/{world}"],
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                       for rank in range(world)]
     out = {}
-    for case, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"{case}: {stderr[-3000:]}"
-        out[case] = json.loads(stdout.split("REC", 1)[1])
+    for case, ranks in procs.items():
+        recs = []
+        for proc in ranks:
+            stdout, stderr = proc.communicate(timeout=300)
+            assert proc.returncode == 0, f"{case}: {stderr[-3000:]}"
+            recs.append(json.loads(stdout.split("REC", 1)[1]))
+        out[case] = recs[0] if len(case) == 3 else recs
     return out
 
 
 @pytest.fixture(scope="module")
 def fp16_runs():
-    return _fp16_runs([(0, "unset", "ampx"), (0, "unset", "stock"), (1, "unset", "ampx"), (1, "unset", "stock"),
-                       (1, "warn", "ampx"), (1, "raise", "ampx"), (0, "raise", "ampx")])
+    return _fp16_runs([(stage, "unset", mode) for stage in range(4) for mode in ("ampx", "stock")]
+                      + [(1, "warn", "ampx"), (1, "raise", "ampx"), (0, "raise", "ampx")])
 
 
-@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp16_overflow_skips_that_step_alone_and_matches_stock_deepspeed(fp16_runs, stage):
     got, stock = fp16_runs[(stage, "unset", "ampx")], fp16_runs[(stage, "unset", "stock")]
     want_skips = [i == 3 for i in range(8)]
@@ -220,11 +226,38 @@ def test_fp16_overflow_skips_that_step_alone_and_matches_stock_deepspeed(fp16_ru
     assert got["reports"][:3] == [None] * 3
     step, inf, nan, note = got["reports"][3]
     assert step == 4 and nan == []
-    if stage == 0:  # .grad holds the gradients: the parameter is named
-        assert inf == ["2.weight"] and note == ""
-    else:  # ZeRO keeps them in its partitions: the report says it cannot name them
-        assert inf == [] and "ZeRO stage 1" in note and "cannot be named" in note
+    # stage 0 reads .grad; ZeRO 1-3 read this rank's partition (one rank holds all of it here)
+    assert inf == ["2.weight"] and note == ""
     assert got["reports"][4:] == [got["reports"][3]] * 4  # the last skipped step's report stays
+    # DeepSpeed's own LR schedule (WarmupLR) is held on the skipped step, as stock DeepSpeed holds it
+    lrs = got["lrs"]
+    assert lrs == stock["lrs"] and lrs[3] == lrs[2] and len(set(lrs)) == 7, lrs
+
+
+@pytest.fixture(scope="module")
+def fp16_two_rank_runs():
+    return _fp16_runs([(stage, "unset", "ampx", 2) for stage in (1, 2, 3)] + [(2, "unset", "stock", 2),
+                                                                            (3, "unset", "ampx_public", 2)])
+
+
+@pytest.mark.parametrize("stage, mode", [(1, "ampx"), (2, "ampx"), (3, "ampx"), (3, "ampx_public")])
+def test_fp16_zero_names_the_parameter_on_every_rank(fp16_two_rank_runs, stage, mode):
+    # 2 gloo ranks, the inf in rank 0's gradient alone: each rank reads only its own partition of
+    # the reduced gradients, so the names come from the one all-reduce of the flags on the skip
+    # (ZeRO 3 both ways: the partition's view, and DeepSpeed's public safe_get_local_grad)
+    ranks = fp16_two_rank_runs[(stage, "unset", mode, 2)]
+    want_skips = [i == 3 for i in range(8)]
+    for rank, got in enumerate(ranks):
+        assert got["skipped"] == got["ampx_skipped"] == want_skips, rank
+        assert got["changed"] == [not s for s in want_skips], rank
+        step, inf, nan, note = got["reports"][3]
+        assert (step, inf, nan, note) == (4, ["2.weight"], [], ""), rank
+        assert got["lrs"][3] == got["lrs"][2] and got["stats"]["skipped_steps"] == 1, rank
+    assert ranks[0]["params"] == ranks[1]["params"]
+    if stage == 2:  # and bit for bit what stock DeepSpeed does on the same two ranks
+        stock = fp16_two_rank_runs[(2, "unset", "stock", 2)]
+        assert [r["params"] for r in ranks] == [r["params"] for r in stock]
+        assert [r["lrs"] for r in ranks] == [r["lrs"] for r in stock]
 
 
 def test_fp16_floor_warn_under_zero1_goes_on(fp16_runs):
