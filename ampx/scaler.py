@@ -24,7 +24,7 @@ from .compile_guard import host_driven
 from .scaler_helpers import (_ORD, _by_device, _check_written, _clip_coef, _fresh_opt_state,  # noqa: F401
                              _fresh_states, _group_size, _or_found, _reduce_of, _refuse_plain_beside_dtensors,
                              _split, _step_handing_scale, _takes_no_found_inf, _who)
-from .integrations._wrappers import drives_scaler_itself, fabric_stepper, resolve_optimizer
+from .integrations._wrappers import drives_scaler_itself, fabric_stepper, named_module, resolve_optimizer
 
 __all__ = ["GradScaler", "ShardedGradScaler", "OverflowReport"]
 
@@ -159,10 +159,12 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
 
     def watch(self, named_parameters):
         """Names parameters for overflow reports: ``scaler.watch(model.named_parameters())``, or
-        ``scaler.watch(model)``, which also gives ``explain_overflows=True`` the model to hook."""
+        ``scaler.watch(model)``, which also gives ``explain_overflows=True`` the model to hook. A
+        model wrapped by DDP, DataParallel, Fabric or ``torch.compile`` is named as the module it
+        wraps ("0.weight", as in its state_dict, not "module.0.weight")."""
         if isinstance(named_parameters, torch.nn.Module):
             self._explain_model = named_parameters
-            named_parameters = named_parameters.named_parameters()
+            named_parameters = named_module(named_parameters).named_parameters()
         for name, p in named_parameters:
             self._param_names[id(p)] = name
         self._names_dropped = False

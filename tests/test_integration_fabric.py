@@ -152,3 +152,37 @@ def test_scaler_step_is_refused_when_fabrics_plugin_drives_the_scaler():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     opt.step()  # the way Fabric steps: its plugin calls scaler.step and update
     assert scaler.stats()["steps"] == 1
+
+
+# ---- DDP over two gloo processes ----------------------------------------------------------------
+
+def test_fabric_ddp_two_ranks_skip_name_and_hold_like_stock(tmp_path):
+    """tests/_fabric_ddp_worker.py: an inf in rank 0's gradient of "0.weight" at step 3, before
+    DDP's all-reduce. Both ranks skip that step alone and name the parameter (``scaler.watch`` of
+    Fabric's module); the loop holds the LR on it; up to the skip the run is bit-identical to the
+    same loop on torch's scaler, which cannot tell the loop it skipped and so steps the LR."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    for mode in ("ampx", "stock"):
+        proc = subprocess.run([sys.executable, os.path.join(here, "_fabric_ddp_worker.py"), str(tmp_path), mode],
+                              env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = [json.loads((tmp_path / f"ampx-rank{r}.json").read_text()) for r in range(2)]
+    stock = [json.loads((tmp_path / f"stock-rank{r}.json").read_text()) for r in range(2)]
+    skips = [s == 3 for s in range(7)]
+    for r in range(2):
+        a, s = got[r], stock[r]
+        assert a["world_size"] == 2 and a["skipped"] == s["skipped"] == skips
+        assert a["changed"] == [not k for k in skips]  # the skipped step changed no parameter
+        assert a["reports"][:3] == [None] * 3 and a["reports"][3] == [["0.weight"], []]
+        assert a["stats"] == {"steps": 7, "skipped_steps": 1}
+        assert a["lrs"][3] == a["lrs"][2] and len(set(a["lrs"])) == 6  # held on the skip alone
+        assert s["lrs"][3] < s["lrs"][2]  # stock steps it anyway
+        assert a["params"][:4] == s["params"][:4]  # bit for bit up to and including the skip
+    assert got[0]["params"] == got[1]["params"]

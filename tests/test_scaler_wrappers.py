@@ -198,3 +198,16 @@ def test_disabled_step_takes_anything_with_a_step():
     assert ampx.GradScaler("cpu", enabled=False).step(Stepper()) == "stepped"
     with pytest.raises(TypeError, match="GradScaler.step"):
         ampx.GradScaler("cpu", enabled=False).step(object())
+
+
+def test_watch_names_a_wrapped_model_as_the_module_it_wraps():
+    # DDP, DataParallel, Fabric's module and torch.compile's prefix their parameters' names;
+    # reports use the wrapped module's (its state_dict's) names
+    import ampx
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    wrapped = torch.nn.DataParallel(torch.compile(net))
+    assert next(iter(dict(wrapped.named_parameters()))).startswith("module._orig_mod.")
+    scaler = ampx.GradScaler("cpu").watch(wrapped)
+    assert sorted(scaler._param_names.values()) == sorted(net.state_dict())
+    assert scaler._explain_model is wrapped

@@ -11,7 +11,24 @@ import weakref
 
 import torch
 
-__all__ = ["resolve_optimizer", "fabric_stepper", "drives_scaler_itself", "is_fabric_wrapper"]
+__all__ = ["resolve_optimizer", "fabric_stepper", "drives_scaler_itself", "is_fabric_wrapper", "named_module"]
+
+# Module wrappers whose own named_parameters() prefix the names the user knows the parameters by:
+# (class name, the attribute that holds the wrapped module). Recognised by name: nothing imported.
+_MODULE_WRAPPERS = {"DistributedDataParallel": "module", "DataParallel": "module",
+                    "_FabricModule": "module", "OptimizedModule": "_orig_mod"}
+
+
+def named_module(module):
+    """The module whose parameter names are the ones the user knows: DDP, DataParallel, Fabric's
+    ``_FabricModule`` and ``torch.compile``'s ``OptimizedModule`` followed to the module they
+    wrap (the names in its ``state_dict``, not "_forward_module.module.0.weight")."""
+    for _ in range(16):  # a wrapper of a wrapper ...
+        inner = getattr(module, _MODULE_WRAPPERS.get(type(module).__name__, ""), None)
+        if not isinstance(inner, torch.nn.Module) or inner is module:
+            return module
+        module = inner
+    return module
 
 
 def resolve_optimizer(optimizer, method, needs="param_groups"):
