@@ -12,6 +12,8 @@
 # Cost: torch 2.13.0 is a local CPU wheel (about a minute of set-up); any other version comes from
 # the registry, whose Linux torch is the CUDA build with its nvidia-* libraries (torch 2.10.0:
 # a 915 MB wheel plus 15 nvidia packages, over 3 GB in all). Prints the venv's size and the time.
+# Where pip's config caps torch (a constraint file, as on this project's VMs: torch<=2.14.1),
+# PIP_CONFIG_FILE=/dev/null in front lifts it for this run (2.15.0 was measured that way).
 set -euo pipefail
 version="${1:?usage: bash scripts/check_torch.sh VERSION [pytest args...]}"
 shift
