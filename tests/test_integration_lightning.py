@@ -411,6 +411,10 @@ def test_resume_restores_ampx_settings_and_continues_the_trajectory(tmp_path):
         assert torch.equal(p, q)
     assert plugin.scaler.state_dict() == whole_plugin.scaler.state_dict()
     assert second.lrs[12] == whole.lrs[12]
+    # the telemetry came back with the checkpoint: the resumed run counts what the whole one did
+    got, want = plugin.scaler.stats(), whole_plugin.scaler.stats()
+    assert (got["steps"], got["skipped_steps"], got["history"]) == (want["steps"], want["skipped_steps"], want["history"])
+    assert want["skipped_steps"] >= 2 and len(want["history"]) == want["steps"] == 12
 
 
 def test_checkpoint_of_the_stock_plugin_loads(tmp_path):
