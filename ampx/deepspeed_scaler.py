@@ -323,8 +323,11 @@ def _stage3_view(param):
     """This rank's ZeRO-3 gradient partition of ``param`` as DeepSpeed holds it (no copy), or
     None where its optimizer has no ``_get_fp32_grad_state_partition`` (then the public
     ``safe_get_local_grad`` is used)."""
-    read = getattr(getattr(param, "_z3_optimizer", None), "_get_fp32_grad_state_partition", None)
-    if not callable(read) or not getattr(param, "requires_grad", False):
+    opt = getattr(param, "_z3_optimizer", None)
+    read = getattr(opt, "_get_fp32_grad_state_partition", None)
+    # (with the optimizer offloaded the read may swap buffers in, which only the public call
+    # releases again: that case takes it)
+    if not callable(read) or not getattr(param, "requires_grad", False) or getattr(opt, "offload_optimizer", True):
         return None
     grad = read(param=param, release_swap_buffers=False)[0]
     return grad if isinstance(grad, torch.Tensor) else None

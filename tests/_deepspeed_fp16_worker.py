@@ -23,10 +23,20 @@ type(get_accelerator()).is_fp16_supported = lambda self: True
 import deepspeed.comm.torch  # noqa: F401
 sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 import ampx, logging
+import ampx.deepspeed_scaler as _dss
+views = []  # how many ZeRO 3 partitions were read as views (the test checks which route ran)
 if mode == "ampx_public":  # ZeRO 3 read through DeepSpeed's public copy, not the view
-    import ampx.deepspeed_scaler
-    ampx.deepspeed_scaler._stage3_view = lambda param: None
+    _dss._stage3_view = lambda param: None
     mode = "ampx"
+else:
+    _view = _dss._stage3_view
+
+    def _counted(param):
+        got = _view(param)
+        if got is not None:
+            views.append(1)
+        return got
+    _dss._stage3_view = _counted
 warned = []
 class _H(logging.Handler):
     def emit(self, r):
@@ -100,4 +110,5 @@ if mode == "stock":
 rec["stats"] = {k: v for k, v in scaler.stats().items() if k != "history"}
 rec["history"] = scaler.stats()["history"]
 rec["warned"] = warned
+rec["views"] = len(views)
 print("REC" + json.dumps(rec))
