@@ -91,28 +91,28 @@ def _freeze(x, seen):
     if id(x) in seen:
         return ("seen",)
     if isinstance(x, (list, tuple)):
-        seen.add(id(x))
+        seen[id(x)] = x  # (kept alive: a freed temporary's id could be taken by a later object)
         return (type(x).__name__, tuple(_freeze(v, seen) for v in x))
     if isinstance(x, dict):
-        seen.add(id(x))
+        seen[id(x)] = x  # (kept alive: a freed temporary's id could be taken by a later object)
         return ("dict", tuple((repr(k) if not isinstance(k, torch.Tensor) else ("t", id(k)), _freeze(v, seen))
                               for k, v in x.items()))
     if isinstance(x, (int, float, str, bool, type(None))):
         return x if not (isinstance(x, float) and math.isnan(x)) else ("nan",)
     if isinstance(x, torch.optim.Optimizer):
-        seen.add(id(x))
+        seen[id(x)] = x  # (kept alive: a freed temporary's id could be taken by a later object)
         return ("opt", _freeze(x.param_groups, seen), _freeze(dict(x.state), seen))
     if isinstance(x, torch.nn.Module):
-        seen.add(id(x))
+        seen[id(x)] = x  # (kept alive: a freed temporary's id could be taken by a later object)
         return ("module", _freeze(list(x.parameters()), seen), _freeze([p.grad for p in x.parameters()], seen))
     if hasattr(x, "__dict__") and type(x).__module__.startswith("ampx"):
-        seen.add(id(x))
+        seen[id(x)] = x  # (kept alive: a freed temporary's id could be taken by a later object)
         return (type(x).__name__, _freeze({k: v for k, v in vars(x).items() if not k.startswith("__")}, seen))
     return ("obj", type(x).__name__)
 
 
 def snapshot(objs):
-    return [_freeze(o, set()) for o in objs]
+    return [_freeze(o, {}) for o in objs]
 
 
 # ---- the entry points ----------------------------------------------------------------------
