@@ -145,6 +145,10 @@ class CheckpointMixin:
         state["_clip_hints_loaded"] = self._clip_hints()
         state["_clip_active"] = {}
         state["_pending"] = deque()
+        # A compiled step's device-side telemetry was drained above; its buffers are remade
+        # beside the scale, which torch's state leaves to be made again on first use.
+        for key in ("_graph_log", "_graph_skip", "_graph_pending", "_graph_dirty"):
+            state.pop(key, None)
         state["_last_grads"] = None
         # A monitor's hooks live on a model in this process: it does not travel (nor its model).
         state["_monitor"] = None

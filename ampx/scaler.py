@@ -6,6 +6,7 @@ inf check, norm and scale update is one call of an ``ampx.ops`` kernel over all 
 device, whatever their dtypes.
 """
 import contextlib
+import functools
 import math
 
 import torch
@@ -20,7 +21,8 @@ from .checkpoint import CheckpointMixin
 from .sharding import agree, check_sharded_placements, combine, is_sharded_dtensor, refusals_shared
 from .telemetry import OverflowReport, TelemetryMixin, _LazySkip
 from .call_args import check_step_args, clip_args
-from .compile_guard import host_driven
+from . import graph_step
+from .compile_guard import eager_under_compile, host_driven, make_runners
 from .scaler_helpers import (_ORD, _by_device, _check_written, _clip_coef, _fresh_opt_state,  # noqa: F401
                              _fresh_states, _group_size, _or_found, _reduce_of, _refuse_plain_beside_dtensors,
                              _split, _step_handing_scale, _takes_no_found_inf, _who)
@@ -193,6 +195,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
     def _lazy_init_scale_growth_tracker(self, dev):
         super()._lazy_init_scale_growth_tracker(dev)
         self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
+        graph_step.graph_buffers(self)
 
     # ---- the passes over gradients ----------------------------------------------------
 
@@ -389,7 +392,6 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
 
     # ---- clipping ---------------------------------------------------------------------
 
-    @host_driven
     def clip_grad_norm_(self, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """Unscales and clips the optimizer's gradients; returns their total norm (unscaled).
 
@@ -425,7 +427,22 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             TypeError / ValueError: max_norm not a number >= 0 (NaN or a negative one would
                 write NaN or flipped gradients, which torch's clip does), norm_type not a number
                 or NaN, error_if_nonfinite not a truth value; nothing has changed then.
+
+        Under ``torch.compile`` with a fused torch optimizer it traces into the graph
+        (ampx/graph_step.py); otherwise it runs eagerly there (a graph break).
         """
+        if ops._is_compiling():
+            why = graph_step.traceable(self, optimizer, norm_type, error_if_nonfinite, max_norm)
+            if why is None:
+                return graph_step.clip(self, optimizer, max_norm, norm_type)
+            return eager_under_compile("clip_grad_norm_", why)(
+                self._clip_grad_norm, optimizer, max_norm, norm_type, error_if_nonfinite)
+        return self._clip_grad_norm(optimizer, max_norm, norm_type, error_if_nonfinite)
+
+    @functools.partial(host_driven, name="clip_grad_norm_")
+    def _clip_grad_norm(self, optimizer, max_norm, norm_type, error_if_nonfinite):
+        """clip_grad_norm_ run eagerly (under torch.compile too: see host_driven)."""
+        _no_compiled_step(self, "clip_grad_norm_")
         optimizer = resolve_optimizer(optimizer, "clip_grad_norm_")
         # check_ranks: only a clip whose pass carries the flag (not after unscale_) shares a refusal
         seen = self._per_optimizer_states.get(id(optimizer)) or {}  # (.get: a refused call adds no state)
@@ -617,7 +634,6 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         _TorchScaler.unscale_(self, optimizer)
 
-    @host_driven
     def step(self, optimizer, *args, **kwargs):
         """Steps the optimizer unless its gradients held inf/NaN; returns what its step returns.
 
@@ -626,7 +642,21 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         the device; nothing else does). One difference visible to step hooks: torch's own fused
         optimizers on the CPU see ``optimizer.found_inf`` None rather than a zero tensor when
         nothing overflowed (the same result, without a per-parameter op on the step counters).
+
+        Under ``torch.compile`` with a fused torch optimizer it traces into the graph
+        (ampx/graph_step.py); otherwise it runs eagerly there (a graph break).
         """
+        if ops._is_compiling():
+            why = graph_step.traceable(self, optimizer, stepping=True)
+            if why is None:
+                return graph_step.step(self, optimizer, args, kwargs)
+            return eager_under_compile("step", why)(self._step, optimizer, *args, **kwargs)
+        return self._step(optimizer, *args, **kwargs)
+
+    @functools.partial(host_driven, name="step")
+    def _step(self, optimizer, *args, **kwargs):
+        """step run eagerly (under torch.compile too: see host_driven)."""
+        _no_compiled_step(self, "step")
         stepper = fabric_stepper(self, optimizer)
         optimizer = resolve_optimizer(optimizer, "step", "param_groups" if self._enabled else "step")
         stepper = stepper or optimizer
@@ -678,7 +708,6 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         self.last_step_skipped = skipped
         return retval
 
-    @host_driven
     def update(self, new_scale=None):
         """Updates the scale after all optimizers stepped (torch's rule, plus the extras).
 
@@ -694,9 +723,27 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                 float32's range.
             ampx.SettingError (also an AssertionError, as torch raises): a tensor on another
                 device type, with more than one element, with requires_grad, or not floating.
+
+        Under ``torch.compile`` it traces into the graph when the step's calls did (a fused
+        torch optimizer, ampx/graph_step.py); otherwise it runs eagerly there (a graph break).
         """
+        if ops._is_compiling():
+            why = "new_scale" if new_scale is not None else graph_step.traceable(self)
+            if why is None and self.__dict__.get("_graph_pending"):
+                return graph_step.update(self)
+            if why is None and self._enabled:
+                why = "eager"  # nothing recorded in the graph: the step's calls ran eagerly
+            if why is None:
+                return None
+            return eager_under_compile("update", why)(self._update, new_scale)
+        return self._update(new_scale)
+
+    @functools.partial(host_driven, name="update")
+    def _update(self, new_scale=None):
+        """update run eagerly (under torch.compile too: see host_driven)."""
         if not self._enabled:
             return
+        _no_compiled_step(self, "update")
         scale, tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
             new_scale = self._checked_new_scale(new_scale)
@@ -736,6 +783,8 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         sources = list(self._flag_sources.values())
         self._per_optimizer_states = _fresh_states()
         self._flag_sources = {}
+        if self.__dict__.get("_graph_dirty"):
+            self._drain(wait=True)  # the compiled steps before this one are counted first
         self._steps += 1
         if capturing:
             # No host work inside a capture (no event query, no pinned copy): replayed steps
@@ -768,6 +817,16 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         if new_scale.device.type == "cpu":
             settings.check_scale_value(op, "new_scale", float(new_scale.item()))
         return new_scale
+
+
+def _no_compiled_step(scaler, method):
+    """Refuses an eager call in a step whose earlier calls ran inside a compiled graph."""
+    err = graph_step.mixed_step_error(scaler, method)
+    if err is not None:
+        raise err
+
+
+make_runners()
 
 
 def __getattr__(name):

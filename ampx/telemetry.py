@@ -133,6 +133,7 @@ class TelemetryMixin:
     def _init_telemetry(self, history, on_overflow):
         self._on_overflow = on_overflow
         self._history = deque(maxlen=int(history))
+        self._history_len = max(1, int(history))  # the compiled steps' ring (ampx/graph_step.py)
         self._steps = 0
         self._skipped = 0
         self._scale_lo = math.inf
@@ -157,16 +158,24 @@ class TelemetryMixin:
         self._drain(wait=False)
 
     def _drain(self, wait):
-        """Accounts for finished device-side updates, oldest first (all of them if wait)."""
-        while self._pending and (wait or self._pending[0].ready()):
+        """Accounts for finished device-side updates, oldest first (all of them if wait), then
+        for the updates compiled graphs ran since (which wait for the device)."""
+        graph = self.__dict__.get("_graph_dirty", False)
+        while self._pending and (wait or graph or self._pending[0].ready()):
             e = self._pending.popleft()
             self._account(*e.values())
+        if graph:
+            from .graph_step import drain
 
-    def _account(self, step, scale, skipped, events, sources, trace=None):
+            drain(self)
+
+    def _account(self, step, scale, skipped, events, sources, trace=None, note=""):
         """One update's telemetry: counts, report and callback, the floor, scale history."""
         if skipped:
             self._skipped += 1
             self._last_report = self._make_report(step, sources)
+            if note:
+                self._last_report.note = note
             self._explain_report(self._last_report, scale, events, trace)
             logger.debug("ampx.GradScaler: step %d skipped (inf/NaN gradients); scale -> %s", step, scale)
             if self._on_overflow is not None:
@@ -290,7 +299,10 @@ class TelemetryMixin:
 
     def _load_telemetry(self, new):
         """Sets what ``_checked_telemetry`` returned (nothing here can fail)."""
+        from .graph_step import reset
+
         self._pending.clear()
+        reset(self)
         new = dict(new)
         history = new.pop("_history")
         self.__dict__.update(new)

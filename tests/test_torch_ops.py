@@ -370,18 +370,22 @@ def test_compiled_foreach_adam_gives_eager_bits():
 
 
 def test_fullgraph_post_backward_step_says_why_and_what_to_compile():
-    """The scaler's host-driven calls cannot be one graph: under fullgraph=True the error names
-    the call, why, and what to compile instead (with a fused optimizer too)."""
+    """A plain optimizer's post-backward calls cannot be one graph (whether it steps is decided on
+    the host): under fullgraph=True the error names the call, why, and what to compile instead.
+    unscale_ is host-driven with a fused optimizer too. (A fused Adam/AdamW's clip, step and
+    update do trace: tests/test_graph_step.py.)"""
     from ampx.compile_guard import _TAKES_REASON
 
     model = torch.nn.Linear(4, 4)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    plain = torch.optim.SGD(model.parameters(), lr=1e-3)
+    fused = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     scaler = ampx.GradScaler("cpu")
     scaler.scale(model(torch.randn(8, 4)).pow(2).mean()).backward()
     before = [p.detach().clone() for p in model.parameters()] + [p.grad.clone() for p in model.parameters()]
     for call in ("clip_grad_norm_", "step", "update", "unscale_"):
-        fn = {"clip_grad_norm_": lambda: scaler.clip_grad_norm_(opt, 1.0), "step": lambda: scaler.step(opt),
-              "update": lambda: scaler.update(), "unscale_": lambda: scaler.unscale_(opt)}[call]
+        fn = {"clip_grad_norm_": lambda: scaler.clip_grad_norm_(plain, 1.0, error_if_nonfinite=True),
+              "step": lambda: scaler.step(plain), "update": lambda: scaler.update(),
+              "unscale_": lambda: scaler.unscale_(fused)}[call]
         with pytest.raises(Exception) as info:
             torch.compile(fn, fullgraph=True, backend="eager")()
         text = str(info.value)

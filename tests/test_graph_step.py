@@ -1,0 +1,328 @@
+"""The post-backward step (clip_grad_norm_, step, update) as one torch.compile(fullgraph=True)
+graph with a fused Adam/AdamW (ampx/graph_step.py), against the same steps run eagerly: the
+parameters, the optimizer's state, the scale, the trackers, the norms, last_step_skipped and the
+telemetry, bit for bit; the refusals say why; the probe of torch's structure falls back."""
+import math
+import pickle
+
+import pytest
+import torch
+
+import ampx
+from ampx import graph_step
+from conftest import assert_bits_equal
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+OPTS = {
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+    "adam_amsgrad": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True, amsgrad=True, weight_decay=0.1),
+    "adamw_tensor_lr": lambda p: torch.optim.AdamW(p, lr=torch.tensor(1e-2), fused=True, maximize=True),
+}
+
+
+def _run(opt_kind="adamw", compiled=None, steps=7, clip=1.0, scaler_kw=None, bad_steps=(2,), backend="eager",
+         stance_after=2):
+    """Trains `steps` steps, an inf in the input at bad_steps; the post-backward part eager
+    (compiled=None) or compiled with fullgraph=True on `backend`. Returns (tensors, per-step
+    records, scaler)."""
+    model = _model()
+    opt = OPTS[opt_kind](model.parameters())
+    kw = dict(init_scale=2.0**15, growth_interval=2)
+    kw.update(scaler_kw or {})
+    scaler = ampx.GradScaler("cpu", **kw)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(16, 8, generator=g) for _ in range(steps)]
+    for i in bad_steps:
+        xs[i][0, 0] = math.inf
+
+    def post():
+        norm = scaler.clip_grad_norm_(opt, clip) if clip is not None else None
+        scaler.step(opt)
+        scaler.update()
+        return norm
+
+    f = torch.compile(post, fullgraph=True, backend=backend) if compiled else post
+    records = []
+    for i, x in enumerate(xs):
+        loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        if compiled and i == stance_after:
+            # every later step must replay the graph: no recompile from the scaler's Python state
+            with torch.compiler.set_stance("fail_on_recompile"):
+                norm = f()
+        else:
+            norm = f()
+        records.append((None if norm is None else norm.clone(), bool(scaler.last_step_skipped),
+                        scaler.get_scale()))
+        opt.zero_grad()
+    tensors = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        tensors += [v.clone() for _, v in sorted(opt.state[p].items())]
+    tensors += [scaler._scale.clone(), scaler._growth_tracker.clone()]
+    return tensors, records, scaler
+
+
+def _same(got, want):
+    gt, gr, gs = got
+    wt, wr, ws = want
+    assert len(gt) == len(wt)
+    for i, (a, b) in enumerate(zip(gt, wt)):
+        assert_bits_equal(a, b, f"tensor {i}")
+    for step, (a, b) in enumerate(zip(gr, wr)):
+        assert a[1:] == b[1:], (step, a, b)
+        if a[0] is not None:
+            assert_bits_equal(a[0], b[0], f"norm of step {step}")
+    assert gs.stats() == ws.stats()
+
+
+@pytest.mark.parametrize("opt_kind", sorted(OPTS))
+def test_fullgraph_post_backward_step_gives_eager_bits(opt_kind, reader):
+    want = _run(opt_kind)
+    got = _run(opt_kind, compiled=True)
+    _same(got, want)
+    assert want[2].stats()["skipped_steps"] == 1 and want[1][2][1] is True  # the inf step was skipped
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_fullgraph_under_aot_and_inductor(backend):
+    _same(_run(compiled=True, backend=backend, steps=5), _run(steps=5))
+
+
+@pytest.mark.parametrize("kw", [dict(hysteresis=2), dict(min_scale=2.0**14, max_scale=2.0**16),
+                                dict(growth_timing="deepspeed"), dict(dynamic=False),
+                                dict(hysteresis=3, consecutive_hysteresis=True)], ids=str)
+def test_fullgraph_with_the_scale_rule_extras(kw):
+    want = _run(scaler_kw=kw, bad_steps=(2, 3, 5))
+    got = _run(compiled=True, scaler_kw=kw, bad_steps=(2, 3, 5))
+    _same(got, want)
+    assert_bits_equal(got[2]._hysteresis_tracker, want[2]._hysteresis_tracker)
+
+
+def test_fullgraph_without_clipping():
+    _same(_run(compiled=True, clip=None), _run(clip=None))
+
+
+def test_fullgraph_clip_that_clips():
+    got, want = _run(compiled=True, clip=1e-3), _run(clip=1e-3)
+    _same(got, want)
+
+
+def test_fullgraph_telemetry_ring_shorter_than_the_run():
+    """history=2: the ring keeps two traced steps; the counts and the scale range stay whole."""
+    kw = dict(history=2)
+    got, want = _run(compiled=True, scaler_kw=kw, steps=9, bad_steps=(1, 6)), _run(scaler_kw=kw, steps=9,
+                                                                                  bad_steps=(1, 6))
+    _same(got, want)
+    assert got[2].stats()["skipped_steps"] == 2 and len(got[2].stats()["history"]) == 2
+
+
+def test_compiled_overflow_reaches_the_callback_and_the_report():
+    seen = []
+    _, _, scaler = _run(compiled=True, scaler_kw=dict(on_overflow=seen.append))
+    assert seen == []  # nothing is read on the host until asked
+    report = scaler.overflow_report()
+    assert [r.step for r in seen] == [3] and report.step == 3
+    assert "compiled graph" in report.note and report.inf == [] and report.nan == []
+
+
+def test_checkpoint_after_compiled_steps_matches_eager():
+    _, _, eager = _run()
+    _, _, compiled = _run(compiled=True)
+    a, b = eager.state_dict(), compiled.state_dict()
+    assert a == b
+    clone = pickle.loads(pickle.dumps(compiled))
+    assert clone.stats()["steps"] == 7
+    fresh = ampx.GradScaler("cpu")
+    fresh.load_state_dict(b)
+    assert fresh.stats() == {**compiled.stats(), "scale": fresh.get_scale()}
+
+
+def test_compiled_then_eager_steps_count_in_order():
+    """Compiled steps, then eager ones on the same scaler: the telemetry is one sequence."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scaler = ampx.GradScaler("cpu", init_scale=2.0**15, growth_interval=2)
+
+    def post():
+        scaler.step(opt)
+        scaler.update()
+
+    f = torch.compile(post, fullgraph=True, backend="eager")
+    for i in range(6):
+        x = torch.randn(4, 8)
+        if i == 1:
+            x[0, 0] = math.nan
+        scaler.scale(model(x).pow(2).mean()).backward()
+        (f if i < 3 else post)()
+        opt.zero_grad()
+    st = scaler.stats()
+    assert st["steps"] == 6 and st["skipped_steps"] == 1
+    assert [s for s, _ in st["history"]] == [1, 2, 3, 4, 5, 6]
+    assert st["history"][1][1] == 2.0**14
+
+
+def test_one_step_split_between_graph_and_eager_is_refused():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scaler = ampx.GradScaler("cpu")
+    scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
+    torch.compile(lambda: scaler.clip_grad_norm_(opt, 1.0), fullgraph=True, backend="eager")()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="all inside or all outside the compiled function"):
+        scaler.step(opt)
+    for a, b in zip(before, model.parameters()):
+        assert torch.equal(a, b)
+    torch.compile(lambda: (scaler.step(opt), scaler.update()), fullgraph=True, backend="eager")()
+    assert scaler.stats()["steps"] == 1
+
+
+def _fullgraph_error(scaler, opt, call="step"):
+    fn = {"clip": lambda: scaler.clip_grad_norm_(opt, 1.0), "step": lambda: scaler.step(opt)}[call]
+    with pytest.raises(Exception) as info:
+        torch.compile(fn, fullgraph=True, backend="eager")()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("plain", "build it with fused=True"),
+    ("fused_sgd", "ampx steps only fused Adam and AdamW inside a graph"),
+    ("hooks", "step pre/post hooks"),
+    ("raise", "on_min_scale='raise'"),
+    ("monitor", "PrecisionMonitor"),
+    ("wrapped", "not a torch.optim optimizer itself"),
+])
+def test_untraceable_steps_say_why_under_fullgraph(case, words):
+    from ampx.compile_guard import _TAKES_REASON
+
+    model = _model()
+    opt = (torch.optim.SGD(model.parameters(), lr=0.1) if case == "plain" else
+           torch.optim.SGD(model.parameters(), lr=0.1, fused=True) if case == "fused_sgd" else
+           torch.optim.AdamW(model.parameters(), lr=0.1, fused=True))
+    scaler = ampx.GradScaler("cpu", on_min_scale="raise" if case == "raise" else "warn")
+    if case == "hooks":
+        opt.register_step_post_hook(lambda *a: None)
+    if case == "monitor":
+        scaler.monitor(model, every=0)
+    if case == "wrapped":
+        opt = type("Wrapper", (), {"optimizer": opt, "param_groups": opt.param_groups})()
+    scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
+    text = _fullgraph_error(scaler, opt)
+    assert "torch.compiler.disable" in text, text
+    if _TAKES_REASON:
+        assert "ampx.GradScaler.step() runs eagerly under torch.compile" in text and words in text, text
+    # without fullgraph: a graph break, and the step runs eagerly
+    torch._dynamo.reset()
+    torch.compile(lambda: (scaler.step(opt), scaler.update()), backend="eager")()
+    assert scaler.stats()["steps"] == 1
+
+
+def test_probe_of_torchs_fused_adam():
+    import types
+
+    assert graph_step._FUSED_ADAM is not None  # this torch has the ops ampx steps with
+    assert graph_step._probe_fused_adam(types.SimpleNamespace()) is None  # no such ops
+    other = torch.ops.aten._fused_sgd  # another op's schema under the names ampx asks for
+    fake = types.SimpleNamespace(_fused_adam=types.SimpleNamespace(default=other.default, tensor_lr=other.default),
+                                 _fused_adamw=torch.ops.aten._fused_adamw)
+    assert graph_step._probe_fused_adam(fake) is None
+    assert graph_step._probe_fused_adam(torch.ops.aten) == graph_step._FUSED_ADAM
+
+
+def test_without_the_probe_the_step_breaks_the_graph_and_keeps_eager_bits(monkeypatch):
+    """The fallback: a torch whose fused Adam is not the structure ampx knows. fullgraph says
+    so; a plain compile breaks the graph and gives the eager bits."""
+    monkeypatch.setattr(graph_step, "_FUSED_ADAM", None)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    scaler = ampx.GradScaler("cpu")
+    scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
+    assert "fused Adam and AdamW" in _fullgraph_error(scaler, opt) or not _takes_reason()
+    torch._dynamo.reset()
+    want = _run()
+
+    def compiled_not_full():
+        model = _model()
+        opt = OPTS["adamw"](model.parameters())
+        scaler = ampx.GradScaler("cpu", init_scale=2.0**15, growth_interval=2)
+        g = torch.Generator().manual_seed(1)
+        xs = [torch.randn(16, 8, generator=g) for _ in range(7)]
+        xs[2][0, 0] = math.inf
+        f = torch.compile(lambda: (scaler.clip_grad_norm_(opt, 1.0), scaler.step(opt), scaler.update())[0],
+                          backend="eager")
+        records = []
+        for x in xs:
+            scaler.scale(model(x).float().pow(2).mean()).backward()
+            n = f()
+            records.append((n.clone(), bool(scaler.last_step_skipped), scaler.get_scale()))
+            opt.zero_grad()
+        tensors = [p.detach().clone() for p in model.parameters()]
+        for p in model.parameters():
+            tensors += [v.clone() for _, v in sorted(opt.state[p].items())]
+        return tensors + [scaler._scale.clone(), scaler._growth_tracker.clone()], records, scaler
+
+    _same(compiled_not_full(), want)
+
+
+def _takes_reason():
+    from ampx.compile_guard import _TAKES_REASON
+
+    return _TAKES_REASON
+
+
+def test_disabled_scaler_traces_too():
+    def run(compiled):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        scaler = ampx.GradScaler("cpu", enabled=False)
+
+        def post():
+            n = scaler.clip_grad_norm_(opt, 0.5)
+            scaler.step(opt)
+            scaler.update()
+            return n
+
+        f = torch.compile(post, fullgraph=True, backend="eager") if compiled else post
+        norms = []
+        for _ in range(3):
+            scaler.scale(model(torch.randn(4, 8, generator=torch.Generator().manual_seed(3))).pow(2).mean()).backward()
+            norms.append(f())
+            opt.zero_grad()
+        return [p.detach() for p in model.parameters()] + norms
+
+    for a, b in zip(run(True), run(False)):
+        assert_bits_equal(a, b, "disabled")
+
+
+def test_the_compiled_step_shows_ampx_ops_in_the_profiler():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scaler = ampx.GradScaler("cpu")
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def post():
+        scaler.clip_grad_norm_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+
+    for i in range(2):  # the second call replays the compiled graph
+        scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
+        with torch.profiler.profile() as prof:
+            post()
+        opt.zero_grad()
+    names = {e.name for e in prof.events()}
+    assert {"ampx::_scaler_check", "ampx::update_scale_"} <= names, sorted(n for n in names if "::" in n)[:40]
+    assert any("fused_adamw" in n for n in names)
