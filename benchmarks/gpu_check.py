@@ -444,6 +444,50 @@ def t_graph():
     return ("identical" if same else "DIFFERENT") + f" (7 replays, scale {sg.get_scale():g})", same
 
 
+@target("compiled post-backward step (fullgraph, reduce-overhead) == eager (bits)", "identical")
+def t_compiled(steps=6):
+    """Issue 25: clip_grad_norm_ + step + update of a fused, capturable AdamW in one
+    torch.compile(fullgraph=True, mode="reduce-overhead") graph, against the same calls eagerly,
+    an inf at step 3. Says whether inductor used CUDA graphs (its cudagraph_skips counter)."""
+    section("target: the compiled post-backward step (ampx/graph_step.py) against eager, on CUDA")
+    import math
+
+    from torch._dynamo.utils import counters
+
+    def run(compiled):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256)).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
+        scaler = ampx.GradScaler("cuda", init_scale=2.0**15, growth_interval=2)
+
+        def post():
+            scaler.clip_grad_norm_(opt, 1.0)
+            scaler.step(opt)
+            scaler.update()
+
+        f = torch.compile(post, fullgraph=True, mode="reduce-overhead") if compiled else post
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for i in range(steps):
+            x = torch.randn(64, 256, device="cuda", generator=g)
+            if i == 2:
+                x[0, 0] = math.inf
+            scaler.scale(model(x).float().pow(2).mean()).backward()
+            f()
+            opt.zero_grad(set_to_none=False)
+        torch.cuda.synchronize()
+        return model, scaler
+
+    me, se = run(False)
+    skips_before = sum(counters["inductor"].get(k, 0) for k in ("cudagraph_skips",))
+    mc, sc = run(True)
+    skips = sum(counters["inductor"].get(k, 0) for k in ("cudagraph_skips",)) - skips_before
+    same = all(torch.equal(a, b) for a, b in zip(me.parameters(), mc.parameters())) and se.stats() == sc.stats()
+    log(f"  eager stats {se.stats()}")
+    log(f"  compiled stats {sc.stats()}; inductor cudagraph skips: {skips}")
+    return (("identical" if same else "DIFFERENT") + f" ({steps} steps, {sc.stats()['skipped_steps']} skipped, "
+            f"CUDA graphs {'skipped' if skips else 'used'})"), same
+
+
 # ---- issue 17: many small tensors and real model shapes ---------------------------------------
 
 def _shape_set(key):
@@ -665,7 +709,8 @@ def main():
               f"{reason or 'available'}; {ampx.cuda.device_info(0) if reason is None else ''}")
     log(header)
     t0 = time.time()
-    for fn in (t_bandwidth, t_step_small, t_step_large, t_syncs, t_graph, t_views, t_separate, *SHAPE_TARGETS):
+    for fn in (t_bandwidth, t_step_small, t_step_large, t_syncs, t_graph, t_compiled, t_views, t_separate,
+               *SHAPE_TARGETS):
         fn()
     guarded(span_table_sweep)
     guarded(tensor_stats_check)

@@ -6,6 +6,7 @@
   have a GPU. Every target must produce a row (no ERROR).
 - ``bench_step.py --quick`` with ``--compare-split --cold``: the real-shape cases with every
   option of the step benchmark, one repetition each.
+- ``bench_graph_step.py`` at a tiny size on dynamo's eager backend: its bit check holds.
 """
 import os
 import subprocess
@@ -32,3 +33,9 @@ def test_bench_step_runs_every_option():
     cases = [line for line in text.splitlines() if line.startswith(("lora:", "gpt2:"))]
     assert len(cases) == 8, text[-2000:]
     assert text.count("(dynamic split)") == 8
+
+
+def test_bench_graph_step_runs_and_checks_its_bits():
+    text = _run("bench_graph_step.py", "--tensors", "4", "--numel", "300", "--repeats", "2", "--backend", "eager")
+    assert "bit-identical after 3 steps: True" in text, text[-2000:]
+    assert "compiled / eager ampx" in text
