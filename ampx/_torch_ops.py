@@ -44,6 +44,11 @@ SCHEMAS = {
                         "Tensor(b!) found_inf, Tensor(c!) flags, bool refuse_fp16, int split) -> Tensor",
     "_scaler_check": "(Tensor[] tensors, int reduce, Tensor? factor, float? factor_value, Tensor(a!) found_inf, "
                      "Tensor(b!) flags, bool refuse_fp16, int split) -> Tensor",
+    # torch's fused Adam/AdamW step for one device and dtype, in place (ampx/graph_step.py says why)
+    "_fused_adam_": "(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, "
+                    "Tensor(e!)[] max_exp_avg_sqs, Tensor(f!)[] state_steps, Tensor? lr, float lr_value, "
+                    "float beta1, float beta2, float weight_decay, float eps, bool amsgrad, bool maximize, "
+                    "bool decoupled, Tensor? grad_scale, Tensor? found_inf) -> ()",
 }
 
 
@@ -107,6 +112,12 @@ def _scaler_pass_impl(write):
                                    split)
         return total if total is not None else found_inf.new_zeros(())
     return impl
+
+
+def _fused_adam_impl(*args):
+    from . import graph_step  # (imported here: graph_step imports the scaler's modules)
+
+    graph_step.adam_kernel(*args)
 
 
 # ---- the fakes: the checks the kernel makes before touching data, and the outputs -----------
@@ -229,6 +240,15 @@ def _scaler_pass_fake(tensors, reduce, f_t, f_v, found_inf, flags, refuse_fp16, 
     return torch.empty((), dtype=torch.float32, device=device if device is not None else "cpu")
 
 
+def _fused_adam_fake(params, grads, exp_avgs, exp_avg_sqs, maxes, steps, *args):
+    """Writes in place and returns nothing: the lists only have to line up (torch's own kernel
+    checks the rest when it runs)."""
+    for name, lst in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs), ("state_steps", steps)):
+        if len(lst) != len(params):
+            raise ValueError(f"ampx GradScaler's traced Adam step: {name} has {len(lst)} tensors but params has "
+                             f"{len(params)}")
+
+
 _IMPLS = {
     "unscale_": (_unscale_impl, _unscale_fake),
     "check_finite": (_check_finite_impl, _check_finite_fake),
@@ -240,6 +260,7 @@ _IMPLS = {
     "tensor_stats": (_tensor_stats_impl, _tensor_stats_fake),
     "_scaler_unscale_": (_scaler_pass_impl(True), _scaler_pass_fake),
     "_scaler_check": (_scaler_pass_impl(False), _scaler_pass_fake),
+    "_fused_adam_": (_fused_adam_impl, _fused_adam_fake),
 }
 
 

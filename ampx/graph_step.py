@@ -77,19 +77,22 @@ _GROUP_KEYS = ("betas", "amsgrad", "lr", "weight_decay", "eps", "maximize", "cap
 
 
 def _probe_fused_adam(aten=None):
-    """torch's functional fused Adam ops ({decoupled: (float-lr op, tensor-lr op)}), or None.
+    """torch's in-place fused Adam kernels ({decoupled: (float-lr overload, tensor-lr overload)}),
+    or None.
 
     No graph can hold ``optimizer.step()`` of a fused optimizer: torch wraps every step in
     ``_use_grad_for_differentiable``, which calls ``torch._dynamo.graph_break()`` around it on
-    purpose, dynamo disables ``torch.optim.adam._fused_adam`` ("don't trace into fused
-    optimizer"), and the in-place ``aten::_fused_adamw_`` fails functionalization (aot_eager and
-    inductor: "mutating a non-functional tensor with a functional tensor"). So ampx steps Adam
-    and AdamW itself: the optimizer's own ``_init_group`` per group, then what ``_fused_adam``
-    does, with the functional ``aten::_fused_adam(w)`` (the same CPU/CUDA kernel, returning the
-    new parameters, unscaled gradients and moments) copied back in place. Same kernel, same bits.
-    These are torch's private ops and methods, so they are probed (the overloads, the schema's
-    arguments and outputs, ``_init_group``'s arity); anything else gives None and the step runs
-    eagerly (a graph break; under fullgraph an error saying so)."""
+    purpose, and dynamo disables ``torch.optim.adam._fused_adam`` ("don't trace into fused
+    optimizer"). Tracing ``aten::_fused_adamw_`` itself fails functionalization (aot_eager and
+    inductor: "mutating a non-functional tensor with a functional tensor"), and its functional
+    twin ``aten::_fused_adamw`` allocates new parameters, gradients and moments every step for
+    copies back (7-10x the eager step on the CPU: fresh pages on every call). So ampx steps Adam
+    and AdamW through its own op, ``ampx::_fused_adam_``, whose schema says it writes those lists
+    in place: inductor calls it in place, and it runs what ``_fused_adam`` runs, in its order
+    (steps + 1, torch's in-place kernel, steps - found_inf). Same kernel, same bits. These are
+    torch's private ops and methods, so they are probed (the overloads, the schema's arguments
+    and that they return nothing, ``_init_group``'s arity); anything else gives None and the step
+    runs eagerly (a graph break; under fullgraph an error saying so)."""
     import inspect
 
     aten = torch.ops.aten if aten is None else aten
@@ -97,12 +100,12 @@ def _probe_fused_adam(aten=None):
                  "beta2", "weight_decay", "eps", "amsgrad", "maximize", "grad_scale", "found_inf"]
     ops_ = {}
     try:
-        for decoupled, name in ((False, "_fused_adam"), (True, "_fused_adamw")):
+        for decoupled, name in ((False, "_fused_adam_"), (True, "_fused_adamw_")):
             packet = getattr(aten, name)
             pair = (packet.default, packet.tensor_lr)
             for op in pair:
                 schema = op._schema
-                if [a.name for a in schema.arguments] != want_args or len(schema.returns) != 5:
+                if [a.name for a in schema.arguments] != want_args or len(schema.returns) != 0:
                     return None
             ops_[decoupled] = pair
         if len(inspect.signature(torch.optim.Adam._init_group).parameters) != 8:
@@ -124,6 +127,20 @@ def _by_dtype(lists):
     return [[[lst[i] for i in idx] if lst else [] for lst in lists] for idx in groups.values()]
 
 
+def adam_kernel(params, grads, exp_avgs, exp_avg_sqs, maxes, steps, lr_t, lr_v, beta1, beta2, weight_decay, eps,
+                amsgrad, maximize, decoupled, grad_scale, found_inf):
+    """The CPU and CUDA body of ``ampx::_fused_adam_``: what ``torch.optim.adam._fused_adam`` does
+    for one device and dtype, with torch's in-place kernel."""
+    float_op, tensor_op = _FUSED_ADAM[bool(decoupled)]
+    op, lr = (tensor_op, lr_t) if lr_t is not None else (float_op, lr_v)
+    torch._foreach_add_(steps, 1)
+    op(params, grads, exp_avgs, exp_avg_sqs, maxes, steps, lr=lr, beta1=beta1, beta2=beta2,
+       weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale,
+       found_inf=found_inf)
+    if found_inf is not None:
+        torch._foreach_sub_(steps, [found_inf] * len(steps))
+
+
 def _fused_adam_step(optimizer, grad_scale, found_inf):
     """``Adam.step`` of a fused Adam/AdamW, traceable (see _probe_fused_adam)."""
     for group in optimizer.param_groups:
@@ -133,19 +150,12 @@ def _fused_adam_step(optimizer, grad_scale, found_inf):
         if not params:
             continue
         lr = group["lr"]
-        float_op, tensor_op = _FUSED_ADAM[bool(group["decoupled_weight_decay"])]
-        op = tensor_op if isinstance(lr, torch.Tensor) else float_op
+        lr_t, lr_v = (lr, 0.0) if isinstance(lr, torch.Tensor) else (None, lr)
         for ps, gs, ms, vs, maxes, steps in _by_dtype([params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                                                        state_steps]):
-            torch._foreach_add_(steps, 1)
-            outs = op(ps, gs, ms, vs, maxes, steps, lr=lr, beta1=float(beta1), beta2=float(beta2),
-                      weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=group["amsgrad"],
-                      maximize=group["maximize"], grad_scale=grad_scale, found_inf=found_inf)
-            for dst, src in zip((ps, gs, ms, vs, maxes), outs):
-                if dst:
-                    torch._foreach_copy_(dst, src)
-            if found_inf is not None:
-                torch._foreach_sub_(steps, [found_inf] * len(steps))
+            torch.ops.ampx._fused_adam_(ps, gs, ms, vs, maxes, steps, lr_t, lr_v, float(beta1), float(beta2),
+                                        group["weight_decay"], group["eps"], group["amsgrad"], group["maximize"],
+                                        bool(group["decoupled_weight_decay"]), grad_scale, found_inf)
 
 
 def _traced_step_fn(optimizer):
@@ -254,7 +264,11 @@ def _grads(optimizer, device):
 
 
 def _pending(scaler):
-    return scaler.__dict__.setdefault("_graph_pending", [])
+    pending = scaler.__dict__.get("_graph_pending")  # (not setdefault: torch 2.10's dynamo cannot trace it)
+    if pending is None:
+        pending = []
+        scaler._graph_pending = pending
+    return pending
 
 
 def _check_pass(scaler, optimizer, reduce, refuse_fp16):
@@ -316,21 +330,24 @@ def step(scaler, optimizer, args, kwargs):
             _traced_step_fn(optimizer)(optimizer, None, None)
         return None
     pending = _pending(scaler)
-    entry = next((e for e in pending if e[0] is optimizer), None)
-    if entry is not None and entry[3]:
+    # (found by identity and replaced by index: torch 2.10's dynamo compares tuples of tensors by value)
+    at = next((i for i, e in enumerate(pending) if e[0] is optimizer), None)
+    if at is not None and pending[at][3]:
         raise RuntimeError("step() has already been called since the last update().")
-    if entry is None:
+    if at is None:
         _, found, _ = _check_pass(scaler, optimizer, _C.REDUCE_NONE, False)
         coef = None
     else:
-        pending.remove(entry)
-        _, found, coef, _ = entry
+        _, found, coef, _ = pending[at]
     grad_scale = scaler._scale * getattr(optimizer, "grad_scale", 1)
     if coef is not None:
         grad_scale = grad_scale / coef
     with torch.no_grad():  # (fused optimizers are never differentiable)
         _traced_step_fn(optimizer)(optimizer, grad_scale, found)
-    pending.append((optimizer, found, coef, True))
+    if at is None:
+        pending.append((optimizer, found, coef, True))
+    else:
+        pending[at] = (optimizer, found, coef, True)
     _log(scaler).found.copy_(found)  # last_step_skipped reads this step's flag, as eagerly
     scaler.last_step_skipped = scaler._graph_skip
     return None

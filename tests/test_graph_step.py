@@ -35,12 +35,13 @@ OPTS = {
 
 
 def _run(opt_kind="adamw", compiled=None, steps=7, clip=1.0, scaler_kw=None, bad_steps=(2,), backend="eager",
-         stance_after=2):
+         stance_after=2, schedule=False):
     """Trains `steps` steps, an inf in the input at bad_steps; the post-backward part eager
-    (compiled=None) or compiled with fullgraph=True on `backend`. Returns (tensors, per-step
-    records, scaler)."""
+    (compiled=None) or compiled with fullgraph=True on `backend`; schedule: an LR scheduler
+    steps after every step. Returns (tensors, per-step records, scaler)."""
     model = _model()
     opt = OPTS[opt_kind](model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1)) if schedule else None
     kw = dict(init_scale=2.0**15, growth_interval=2)
     kw.update(scaler_kw or {})
     scaler = ampx.GradScaler("cpu", **kw)
@@ -60,7 +61,7 @@ def _run(opt_kind="adamw", compiled=None, steps=7, clip=1.0, scaler_kw=None, bad
     for i, x in enumerate(xs):
         loss = model(x).float().pow(2).mean()
         scaler.scale(loss).backward()
-        if compiled and i == stance_after:
+        if compiled and i >= stance_after:
             # every later step must replay the graph: no recompile from the scaler's Python state
             with torch.compiler.set_stance("fail_on_recompile"):
                 norm = f()
@@ -68,6 +69,8 @@ def _run(opt_kind="adamw", compiled=None, steps=7, clip=1.0, scaler_kw=None, bad
             norm = f()
         records.append((None if norm is None else norm.clone(), bool(scaler.last_step_skipped),
                         scaler.get_scale()))
+        if sched is not None:
+            sched.step()
         opt.zero_grad()
     tensors = [p.detach().clone() for p in model.parameters()]
     for p in model.parameters():
@@ -95,6 +98,21 @@ def test_fullgraph_post_backward_step_gives_eager_bits(opt_kind, reader):
     got = _run(opt_kind, compiled=True)
     _same(got, want)
     assert want[2].stats()["skipped_steps"] == 1 and want[1][2][1] is True  # the inf step was skipped
+
+
+def test_tensor_lr_under_a_scheduler_replays_one_graph():
+    """A tensor LR changed by a scheduler every step is an input of the graph, not a constant:
+    no recompile (_run fails on one after step 2), and the eager bits."""
+    _same(_run("adamw_tensor_lr", compiled=True, schedule=True), _run("adamw_tensor_lr", schedule=True))
+    _same(_run("adamw_tensor_lr", compiled=True, schedule=True, backend="inductor", steps=5),
+          _run("adamw_tensor_lr", schedule=True, steps=5))
+
+
+def test_float_lr_under_a_scheduler_recompiles():
+    """A float LR is baked into the graph (as in torch's compiled optimizers): a new value is a
+    new graph. The README says to use a tensor LR with a scheduler; this pins why."""
+    with pytest.raises(RuntimeError, match="recompile"):
+        _run("adamw", compiled=True, schedule=True)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -236,9 +254,12 @@ def test_probe_of_torchs_fused_adam():
     assert graph_step._FUSED_ADAM is not None  # this torch has the ops ampx steps with
     assert graph_step._probe_fused_adam(types.SimpleNamespace()) is None  # no such ops
     other = torch.ops.aten._fused_sgd  # another op's schema under the names ampx asks for
-    fake = types.SimpleNamespace(_fused_adam=types.SimpleNamespace(default=other.default, tensor_lr=other.default),
-                                 _fused_adamw=torch.ops.aten._fused_adamw)
+    fake = types.SimpleNamespace(_fused_adam_=types.SimpleNamespace(default=other.default, tensor_lr=other.default),
+                                 _fused_adamw_=torch.ops.aten._fused_adamw_)
     assert graph_step._probe_fused_adam(fake) is None
+    # the functional twins (they return the new tensors) are not what ampx's in-place op calls
+    functional = types.SimpleNamespace(_fused_adam_=torch.ops.aten._fused_adam, _fused_adamw_=torch.ops.aten._fused_adamw)
+    assert graph_step._probe_fused_adam(functional) is None
     assert graph_step._probe_fused_adam(torch.ops.aten) == graph_step._FUSED_ADAM
 
 
@@ -307,22 +328,63 @@ def test_disabled_scaler_traces_too():
         assert_bits_equal(a, b, "disabled")
 
 
-def test_the_compiled_step_shows_ampx_ops_in_the_profiler():
-    model = _model()
+def _compiled_post(model, backend):
+    """(optimizer, scaler, the compiled clip + step + update) for a fused AdamW over model."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     scaler = ampx.GradScaler("cpu")
 
-    @torch.compile(fullgraph=True, backend="aot_eager")
     def post():
         scaler.clip_grad_norm_(opt, 1.0)
         scaler.step(opt)
         scaler.update()
 
+    return opt, scaler, torch.compile(post, fullgraph=True, backend=backend)
+
+
+def test_the_compiled_step_shows_ampx_ops_in_the_profiler():
+    model = _model()
+    opt, scaler, post = _compiled_post(model, "aot_eager")
     for i in range(2):  # the second call replays the compiled graph
         scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
         with torch.profiler.profile() as prof:
             post()
         opt.zero_grad()
     names = {e.name for e in prof.events()}
-    assert {"ampx::_scaler_check", "ampx::update_scale_"} <= names, sorted(n for n in names if "::" in n)[:40]
-    assert any("fused_adamw" in n for n in names)
+    assert {"ampx::_scaler_check", "ampx::update_scale_", "ampx::_fused_adam_"} <= names, \
+        sorted(n for n in names if "::" in n)[:40]
+    assert "aten::_fused_adamw_" in names  # torch's own kernel, called by ampx's op
+
+
+def test_inductor_steps_the_parameters_in_place():
+    """Under inductor the traced step writes the parameters, gradients and moments where they are:
+    no functional Adam (which returns new tensors), no clone or copy of them (7-10x the eager step
+    on the CPU when it did), and no allocation the size of the parameters."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    opt, scaler, post = _compiled_post(model, "inductor")
+    ptrs = None
+    for i in range(3):  # the third call replays the compiled graph
+        scaler.scale(model(torch.randn(4, 256)).pow(2).mean()).backward()
+        with torch.profiler.profile(profile_memory=True, record_shapes=True) as prof:
+            post()
+        opt.zero_grad(set_to_none=False)
+        now = [t.data_ptr() for p in model.parameters() for t in (p, *opt.state[p].values()) if t.dim()]
+        assert ptrs is None or now == ptrs
+        ptrs = now
+    names = [e.name for e in prof.events()]
+    assert "ampx::_fused_adam_" in names and "aten::_fused_adamw_" in names
+    assert not {"aten::_fused_adamw", "aten::clone"} & set(names), sorted(set(names))
+    copied = [shape for e in prof.events() if e.name == "aten::copy_" for shape in e.input_shapes]
+    assert all(math.prod(shape) <= 1 for shape in copied), copied  # (scalars only: the scale, found_inf)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    allocated = sum(max(e.cpu_memory_usage, 0) for e in prof.events() if e.cpu_parent is None)
+    assert allocated < param_bytes // 4, (allocated, param_bytes)
+
+
+def test_the_traced_adam_op_checks_its_lists_under_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        p = [torch.empty(3), torch.empty(2)]
+        with pytest.raises(ValueError, match="exp_avgs has 1 tensors but params has 2"):
+            torch.ops.ampx._fused_adam_(p, p, p[:1], p, [], [torch.empty(()) for _ in p], None, 0.1, 0.9, 0.99,
+                                        0.0, 1e-8, False, False, True, None, None)

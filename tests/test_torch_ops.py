@@ -161,6 +161,11 @@ def _opcheck_args(name):
         "_scaler_unscale_": (xs, _C.REDUCE_SUMSQ, s["inv"], None, fi, fl, False, ops.SPLIT_DYNAMIC),
         "_scaler_check": (xs, _C.REDUCE_NONE, None, None, fi, fl, False, ops.SPLIT_ELEMENTWISE),
         "tensor_stats": (xs,),
+        # the traced Adam step (ampx/graph_step.py): float32 parameters, their moments and steps
+        "_fused_adam_": ([torch.randn(5), torch.randn(3, 2)], [torch.randn(5), torch.randn(3, 2)],
+                         [torch.zeros(5), torch.zeros(3, 2)], [torch.zeros(5), torch.zeros(3, 2)], [],
+                         [torch.zeros(()), torch.zeros(())], None, 1e-2, 0.9, 0.999, 0.01, 1e-8, False, False,
+                         True, torch.full((), 4.0), torch.zeros(())),
     }[name]
 
 
