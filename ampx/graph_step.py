@@ -57,6 +57,8 @@ REASONS = {
     "new_scale": "update(new_scale) checks the value it is given on the host: call it outside the fullgraph function",
     "hooks": "the optimizer has step pre/post hooks, which run around torch's own step only: remove them, or "
              "call scaler.step outside the fullgraph function",
+    "no_scale": "scaler.scale(loss) has not run yet, so there is no scale to step with: scale the loss "
+                "first (eagerly this is torch's AssertionError '_scale is None')",
     "torch_step": "torch breaks the graph around every optimizer step on purpose, and ampx steps only "
                   "fused Adam and AdamW inside a graph itself (ampx/graph_step.py): use one of those, or call "
                   "scaler.step outside the fullgraph function",
@@ -192,6 +194,8 @@ def traceable(scaler, optimizer=None, norm_type=None, error_if_nonfinite=False, 
             return "clip"
     if not enabled:
         return _step_refusal(optimizer) if stepping else None
+    if d.get("_scale") is None:
+        return "no_scale"
     if d.get("_sharded") or d.get("_check_ranks"):
         return "sharded"
     if d.get("_monitor") is not None or d.get("_explain"):

@@ -208,6 +208,22 @@ def test_one_step_split_between_graph_and_eager_is_refused():
     assert scaler.stats()["steps"] == 1
 
 
+def test_a_step_before_any_scale_says_so():
+    """Before scaler.scale(loss) there is no scale: eagerly torch's AssertionError, under compile
+    the same one after a graph break, under fullgraph an error saying to scale the loss first."""
+    from ampx.compile_guard import _TAKES_REASON
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    scaler = ampx.GradScaler("cpu")
+    text = _fullgraph_error(scaler, opt, "clip")
+    assert not _TAKES_REASON or "scaler.scale(loss) has not run yet" in text, text
+    torch._dynamo.reset()
+    with pytest.raises(AssertionError, match="_scale is None"):
+        torch.compile(lambda: scaler.step(opt), backend="eager")()
+
+
 def _fullgraph_error(scaler, opt, call="step"):
     fn = {"clip": lambda: scaler.clip_grad_norm_(opt, 1.0), "step": lambda: scaler.step(opt)}[call]
     with pytest.raises(Exception) as info:
