@@ -129,6 +129,11 @@ class CheckpointMixin:
         return new
 
     def __getstate__(self):
+        if self.__dict__.get("_graph_pending"):
+            # as torch refuses a pickle between step() and update() (its per-optimizer states)
+            raise RuntimeError("A GradScaler instance may only be pickled at the beginning of an iteration, or at the "
+                               "end after scaler.update(): this step's clip_grad_norm_/step ran inside a compiled "
+                               "graph and its update() has not run yet.")
         if self._enabled:
             self._drain(wait=True)  # first, so the counts it brings in are in the copy below
         state = _TorchScaler.__getstate__(self)

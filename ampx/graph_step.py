@@ -22,6 +22,7 @@ The per-optimizer stage machine lives in ``scaler._graph_pending`` between the c
 (cleared by ``update``), so the traced calls never touch the eager state: a compiled step and an
 eager one can follow each other, but not share one step (an error says so).
 """
+import logging
 import math
 
 import torch
@@ -33,6 +34,8 @@ from .call_args import clip_args
 from .clip_dtype import as_torch_dtype, torch_norm_dtype
 from .scaler_helpers import _ORD, _clip_coef, _split
 from .telemetry import _LazySkip
+
+logger = logging.getLogger("ampx")
 
 __all__ = ["traceable", "clip", "step", "update", "drain", "reset", "graph_buffers", "mixed_step_error"]
 
@@ -59,6 +62,10 @@ REASONS = {
              "call scaler.step outside the fullgraph function",
     "no_scale": "scaler.scale(loss) has not run yet, so there is no scale to step with: scale the loss "
                 "first (eagerly this is torch's AssertionError '_scale is None')",
+    "patched": "optimizer.step is replaced on this optimizer object (a wrapper of its own), which a traced step "
+               "would not run: remove the wrapper, or call scaler.step outside the fullgraph function",
+    "nothing": "no inf checks were recorded prior to update(): none of the optimizers given to "
+               "clip_grad_norm_/step this step had a gradient (eagerly torch's AssertionError)",
     "torch_step": "torch breaks the graph around every optimizer step on purpose, and ampx steps only "
                   "fused Adam and AdamW inside a graph itself (ampx/graph_step.py): use one of those, or call "
                   "scaler.step outside the fullgraph function",
@@ -66,8 +73,11 @@ REASONS = {
 
 
 def _is_fused_torch(optimizer):
+    """A torch optimizer that takes grad_scale and found_inf itself: fused, in every group (a
+    group may turn it off, and torch then refuses the scale eagerly)."""
     return (type(optimizer).__module__.startswith("torch.optim.") and bool(optimizer.defaults.get("fused"))
-            and getattr(optimizer, "_step_supports_amp_scaling", False))
+            and getattr(optimizer, "_step_supports_amp_scaling", False)
+            and all(g.get("fused", True) for g in optimizer.param_groups))
 
 
 def _code_name(fn):
@@ -160,6 +170,13 @@ def _fused_adam_step(optimizer, grad_scale, found_inf):
                                         bool(group["decoupled_weight_decay"]), grad_scale, found_inf)
 
 
+def _mark_stepped(optimizer):
+    """What an LR scheduler's wrapper of optimizer.step records when it runs (torch's scheduler
+    warns at its first step if it was not), since the traced step does not go through it."""
+    if getattr(optimizer.__dict__.get("step"), "_wrapped_by_lr_sched", False):
+        optimizer._opt_called = True
+
+
 def _traced_step_fn(optimizer):
     """How a traced step steps this optimizer, or None when it cannot be traced."""
     if _FUSED_ADAM is None or type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
@@ -193,6 +210,8 @@ def traceable(scaler, optimizer=None, norm_type=None, error_if_nonfinite=False, 
                 or not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool)):
             return "clip"
     if not enabled:
+        if optimizer is not None and not _grads_on(optimizer, None):
+            return "devices"
         return _step_refusal(optimizer) if stepping else None
     if d.get("_scale") is None:
         return "no_scale"
@@ -208,7 +227,9 @@ def traceable(scaler, optimizer=None, norm_type=None, error_if_nonfinite=False, 
     if optimizer is not None:
         if not _is_fused_torch(optimizer):
             return "plain"
-        return _step_refusal(optimizer)
+        if not _grads_on(optimizer, d["_scale"].device):
+            return "devices"
+        return _step_refusal(optimizer)  # (clip too: its step must trace after it)
     return None
 
 
@@ -218,7 +239,27 @@ def _step_refusal(optimizer):
         return "torch_step"
     if _step_hooks(optimizer):
         return "hooks"
+    own = optimizer.__dict__.get("step")
+    if own is not None and not getattr(own, "_wrapped_by_lr_sched", False):
+        return "patched"
     return None
+
+
+def _grads_on(optimizer, device):
+    """Whether every gradient is a dense tensor on `device` (None: on one device), so the
+    traced passes can take them as one list; else the eager call splits them by device."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                continue
+            if g.layout != torch.strided or hasattr(g, "to_local"):
+                return False
+            if device is None:
+                device = g.device
+            elif g.device != device:
+                return False
+    return True
 
 
 def mixed_step_error(scaler, method):
@@ -311,12 +352,16 @@ def clip(scaler, optimizer, max_norm, norm_type):
         scaler._last_norm = total
         return as_torch_dtype(total, torch_norm_dtype(grads))
     pending = _pending(scaler)
-    if any(entry[0] is optimizer for entry in pending):
+    # (entries: (optimizer, found, clip coefficient or None, stepped); eager's checks, in its order)
+    if any(entry[0] is optimizer and entry[2] is not None for entry in pending):
         raise RuntimeError("clip_grad_norm_() has already been called on this optimizer since the last update().")
+    if any(entry[0] is optimizer for entry in pending):
+        raise RuntimeError("clip_grad_norm_() is being called after step().")
     grads, found, total = _check_pass(scaler, optimizer, reduce, True)
     coef = _clip_coef(max_norm, total)
     scaler._last_norm = total
-    pending.append((optimizer, found, coef, False))
+    if grads:  # (no gradient: no inf check recorded, as eagerly; update() then refuses)
+        pending.append((optimizer, found, coef, False))
     return as_torch_dtype(total, torch_norm_dtype(grads))
 
 
@@ -332,6 +377,7 @@ def step(scaler, optimizer, args, kwargs):
         scaler.last_step_skipped = False
         with torch.no_grad():
             _traced_step_fn(optimizer)(optimizer, None, None)
+        _mark_stepped(optimizer)
         return None
     pending = _pending(scaler)
     # (found by identity and replaced by index: torch 2.10's dynamo compares tuples of tensors by value)
@@ -339,8 +385,11 @@ def step(scaler, optimizer, args, kwargs):
     if at is not None and pending[at][3]:
         raise RuntimeError("step() has already been called since the last update().")
     if at is None:
-        _, found, _ = _check_pass(scaler, optimizer, _C.REDUCE_NONE, False)
+        grads, found, _ = _check_pass(scaler, optimizer, _C.REDUCE_NONE, False)
         coef = None
+        if not grads:  # nothing to step, no inf check recorded: as eagerly
+            scaler.last_step_skipped = False
+            return None
     else:
         _, found, coef, _ = pending[at]
     grad_scale = scaler._scale * getattr(optimizer, "grad_scale", 1)
@@ -348,6 +397,7 @@ def step(scaler, optimizer, args, kwargs):
         grad_scale = grad_scale / coef
     with torch.no_grad():  # (fused optimizers are never differentiable)
         _traced_step_fn(optimizer)(optimizer, grad_scale, found)
+    _mark_stepped(optimizer)
     if at is None:
         pending.append((optimizer, found, coef, True))
     else:
@@ -389,8 +439,7 @@ def update(scaler):
     floor = (torch.bitwise_and(events.long(), _C.UPD_AT_MIN) != 0).double()
     t = log.tally
     log.tally.copy_(torch.stack([t[0] + 1, t[1] + skipped, t[2] + floor, torch.minimum(t[3], s), torch.maximum(t[4], s)]))
-    log.found.copy_(found.reshape(()))
-    pending.clear()
+    pending.clear()  # (log.found stays the last stepped optimizer's flag: last_step_skipped, as eagerly)
     scaler.last_step_skipped = scaler._graph_skip
     scaler._graph_dirty = True  # (only ever written in a graph: read eagerly, by drain)
 
@@ -411,15 +460,19 @@ def drain(scaler):
     if log is None or not scaler.__dict__.get("_graph_dirty"):
         return
     scaler._graph_dirty = False
-    n, skipped, _, lo, hi = log.tally.tolist()  # (floor hits: warned per kept row, by _account)
+    n, skipped, floor_hits, lo, hi = log.tally.tolist()
     n = int(n)
     if n == 0:
         return
     kept = min(n, log.capacity)
     rows = log.ring.tolist()
     first = n - kept
-    lost_skipped = int(skipped) - sum(1 for i in range(first, n) if rows[i % log.capacity][1] != 0)
+    kept_rows = [rows[i % log.capacity] for i in range(first, n)]
+    lost_skipped = int(skipped) - sum(1 for r in kept_rows if r[1] != 0)
+    lost_floor = int(floor_hits) - sum(1 for r in kept_rows if int(r[2]) & _C.UPD_AT_MIN)
     reset(scaler)
+    if lost_skipped or lost_floor:
+        _warn_lost(scaler, first, lost_skipped, lost_floor, log.capacity)
     # steps older than the ring: counted, their scales in the range, no history entry
     scaler._steps += first
     scaler._skipped += lost_skipped
@@ -430,6 +483,23 @@ def drain(scaler):
         s, f, e = rows[i % log.capacity]
         scaler._steps += 1
         scaler._account(scaler._steps, s, f != 0, int(e), [], note=NOTE)
+
+
+def _warn_lost(scaler, lost, skipped, floor, capacity):
+    """The steps older than the ring are counted, but what each one would have said eagerly
+    (its on_overflow callback, its report, the min-scale warning) is gone: say so, once."""
+    what = []
+    if skipped:
+        what.append(f"{skipped} of them skipped (inf/NaN gradients)" +
+                    (": their on_overflow callbacks were not made" if scaler._on_overflow is not None else ""))
+    if floor and scaler._on_min_scale == "warn":
+        what.append(f"{floor} of them overflowed with the scale at its floor")
+    if what:
+        logger.warning(
+            "ampx.GradScaler: %d compiled steps were older than the scaler's device ring (history=%d) when its "
+            "telemetry was read; they are counted, but %s. Read it at least every `history` steps (stats(), "
+            "overflow_report(), state_dict() or an eager update), or raise history.", lost, capacity,
+            "; ".join(what))
 
 
 def reset(scaler):

@@ -629,6 +629,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         optimizer = resolve_optimizer(optimizer, "unscale_")
         if not self._enabled:
             return
+        _no_compiled_step(self, "unscale_")
         state = self._per_optimizer_states[id(optimizer)]
         if state.get("inf_checked") and state["stage"] is OptState.READY:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
@@ -732,7 +733,8 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             if why is None and self.__dict__.get("_graph_pending"):
                 return graph_step.update(self)
             if why is None and self._enabled:
-                why = "eager"  # nothing recorded in the graph: the step's calls ran eagerly
+                # nothing recorded in the graph: the step's calls ran eagerly, or had no gradients
+                why = "eager" if self._per_optimizer_states else "nothing"
             if why is None:
                 return None
             return eager_under_compile("update", why)(self._update, new_scale)

@@ -144,8 +144,8 @@ class TelemetryMixin:
 
     def _record(self, skipped):
         """Telemetry of an update(new_scale) step (the scale was set by hand)."""
+        self._drain(wait=True)  # first: compiled steps before this one take their numbers here
         self._steps += 1
-        self._drain(wait=True)
         self._account(self._steps, float(self._scale.item()), skipped, 0, [])
 
     def _defer(self, scale, found, events, sources, trace=None):

@@ -404,3 +404,175 @@ def test_the_traced_adam_op_checks_its_lists_under_fake_tensors():
         with pytest.raises(ValueError, match="exp_avgs has 1 tensors but params has 2"):
             torch.ops.ampx._fused_adam_(p, p, p[:1], p, [], [torch.empty(()) for _ in p], None, 0.1, 0.9, 0.99,
                                         0.0, 1e-8, False, False, True, None, None)
+
+
+# ---- the corners an independent review found --------------------------------------------------
+
+def _two_optimizers(compiled, steps=3, bad=1):
+    """One scaler, two fused AdamW; an inf in the first one's gradients only at step `bad`.
+    Returns (tensors, last_step_skipped per step, stats)."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    o1 = torch.optim.AdamW(a.parameters(), lr=1e-2, fused=True)
+    o2 = torch.optim.AdamW(b.parameters(), lr=1e-2, fused=True)
+    scaler = ampx.GradScaler("cpu", init_scale=2.0**10)
+
+    def post():
+        scaler.clip_grad_norm_(o1, 1.0)
+        scaler.step(o1)
+        scaler.step(o2)
+        scaler.update()
+
+    f = torch.compile(post, fullgraph=True, backend="eager") if compiled else post
+    skipped = []
+    for i in range(steps):
+        x = torch.randn(2, 4)
+        scaler.scale(a(x).sum() + b(x).sum()).backward()
+        if i == bad:
+            a.weight.grad[0, 0] = math.inf
+        f()
+        skipped.append(bool(scaler.last_step_skipped))
+        o1.zero_grad()
+        o2.zero_grad()
+    tensors = [t.detach().clone() for m in (a, b) for t in m.parameters()] + [scaler._scale.clone()]
+    return tensors, skipped, scaler.stats()
+
+
+def test_two_optimizers_on_one_scaler_match_eager():
+    """last_step_skipped after update is the last stepped optimizer's, as eagerly (o2 had no inf)."""
+    got, want = _two_optimizers(True), _two_optimizers(False)
+    for x, y in zip(got[0], want[0]):
+        assert_bits_equal(x, y, "two optimizers")
+    assert got[1] == want[1] == [False, False, False]
+    assert got[2] == want[2] and want[2]["skipped_steps"] == 1
+
+
+def test_no_gradients_records_no_inf_check_as_eagerly():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    scaler = ampx.GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    before = (scaler._scale.clone(), scaler._growth_tracker.clone())
+    f = torch.compile(lambda: (scaler.clip_grad_norm_(opt, 1.0), scaler.step(opt)), fullgraph=True, backend="eager")
+    norm, _ = f()
+    assert norm.item() == 0.0 and scaler.last_step_skipped is False
+    with pytest.raises(AssertionError, match="No inf checks were recorded prior to update"):
+        torch.compile(scaler.update, backend="eager")()
+    assert torch.equal(scaler._scale, before[0]) and torch.equal(scaler._growth_tracker, before[1])
+    assert "none of the optimizers given to" in _fullgraph_update_error(scaler) or not _takes_reason()
+
+
+def _fullgraph_update_error(scaler):
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        torch.compile(scaler.update, fullgraph=True, backend="eager")()
+    return str(info.value)
+
+
+def test_steps_older_than_the_ring_say_their_callbacks_are_gone(caplog):
+    seen = []
+    _, _, scaler = _run(compiled=True, steps=6, bad_steps=(1, 5), scaler_kw=dict(history=2, on_overflow=seen.append))
+    with caplog.at_level("WARNING", logger="ampx"):
+        st = scaler.stats()
+    assert st["skipped_steps"] == 2 and [r.step for r in seen] == [6]  # (steps count from 1)
+    assert "1 of them skipped (inf/NaN gradients): their on_overflow callbacks were not made" in caplog.text
+    assert "history=2" in caplog.text
+
+
+def test_update_with_a_new_scale_after_compiled_steps_numbers_them_in_order():
+    def run(compiled):
+        _, _, scaler = _run(compiled=compiled, steps=3, bad_steps=())
+        scaler.update(1024.0)
+        return scaler.stats()["history"]
+
+    got = run(True)
+    assert got == run(False)
+    assert [s for s, _ in got] == [1, 2, 3, 4] and got[-1][1] == 1024.0
+
+
+def test_a_group_that_turns_fused_off_is_not_traced():
+    model = _model()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:], "fused": False}], lr=0.1, fused=True)
+    scaler = ampx.GradScaler("cpu")
+    scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
+    assert "fused=True" in _fullgraph_error(scaler, opt) or not _takes_reason()
+    torch._dynamo.reset()
+    with pytest.raises(AssertionError):  # torch's own refusal of a scale for an unfused group, as eagerly
+        torch.compile(lambda: scaler.step(opt), backend="eager")()
+
+
+def _dynamo_keeps_optimizer_attribute_writes():
+    """Whether this torch's dynamo applies an attribute written on an optimizer inside a graph
+    (torch 2.13 drops it silently; a plain object's is kept)."""
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+    def write():
+        opt._ampx_probe = True
+        return torch.ones(1)
+
+    torch.compile(write, fullgraph=True, backend="eager")()
+    torch._dynamo.reset()
+    return getattr(opt, "_ampx_probe", False)
+
+
+def test_an_lr_scheduler_sees_the_traced_step():
+    """The traced step marks the optimizer stepped for its LR scheduler, as the scheduler's
+    wrapper of optimizer.step would (graph_step._mark_stepped). Where dynamo drops that write (a
+    torch limitation), the scheduler's first step warns that it came before optimizer.step(): a
+    false warning the README names; the schedule itself is unaffected."""
+    import warnings
+
+    keeps = _dynamo_keeps_optimizer_attribute_writes()
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.1), fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    scaler = ampx.GradScaler("cpu")
+    f = torch.compile(lambda: (scaler.step(opt), scaler.update()), fullgraph=True, backend="eager")
+    scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
+    f()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sched.step()
+    false_alarm = [w for w in caught if "before `optimizer.step()`" in str(w.message)]
+    assert len(false_alarm) == (0 if keeps else 1), [str(w.message) for w in caught]
+    assert opt.param_groups[0]["lr"].item() == pytest.approx(0.05)  # the schedule moved on regardless
+
+
+def test_a_replaced_optimizer_step_is_not_bypassed():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    calls = []
+    original = opt.step
+    opt.step = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
+    scaler = ampx.GradScaler("cpu")
+    scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
+    assert "optimizer.step is replaced" in _fullgraph_error(scaler, opt) or not _takes_reason()
+    torch._dynamo.reset()
+    torch.compile(lambda: (scaler.step(opt), scaler.update()), backend="eager")()
+    assert calls == [1]
+
+
+def test_clip_after_a_traced_step_gives_eagers_message():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    scaler = ampx.GradScaler("cpu")
+    scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
+    with pytest.raises(Exception, match=r"is being called after step\(\)"):
+        torch.compile(lambda: (scaler.step(opt), scaler.clip_grad_norm_(opt, 1.0)), fullgraph=True,
+                      backend="eager")()
+
+
+def test_eager_unscale_inside_a_compiled_step_is_refused_before_writing():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    scaler = ampx.GradScaler("cpu")
+    scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
+    torch.compile(lambda: scaler.clip_grad_norm_(opt, 1.0), fullgraph=True, backend="eager")()
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="all inside or all outside"):
+        scaler.unscale_(opt)
+    for g, p in zip(grads, model.parameters()):
+        assert torch.equal(g, p.grad)
+    with pytest.raises(RuntimeError, match="may only be pickled at the beginning of an iteration"):
+        pickle.dumps(scaler)
