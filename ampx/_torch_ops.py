@@ -240,10 +240,14 @@ def _scaler_pass_fake(tensors, reduce, f_t, f_v, found_inf, flags, refuse_fp16, 
     return torch.empty((), dtype=torch.float32, device=device if device is not None else "cpu")
 
 
-def _fused_adam_fake(params, grads, exp_avgs, exp_avg_sqs, maxes, steps, *args):
+def _fused_adam_fake(params, grads, exp_avgs, exp_avg_sqs, maxes, steps, lr_t, lr_v, beta1, beta2, weight_decay,
+                     eps, amsgrad, *args):
     """Writes in place and returns nothing: the lists only have to line up (torch's own kernel
     checks the rest when it runs)."""
-    for name, lst in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs), ("state_steps", steps)):
+    lists = [("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs), ("state_steps", steps)]
+    if amsgrad:
+        lists.append(("max_exp_avg_sqs", maxes))
+    for name, lst in lists:
         if len(lst) != len(params):
             raise ValueError(f"ampx GradScaler's traced Adam step: {name} has {len(lst)} tensors but params has "
                              f"{len(params)}")
