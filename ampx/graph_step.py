@@ -289,10 +289,27 @@ def _log(scaler):
 
 
 def graph_buffers(scaler):
-    """Makes the device-side telemetry buffers beside a new scale (called eagerly or traced)."""
+    """Makes the device-side telemetry buffers beside a new scale (called eagerly or traced),
+    and marks every tensor a traced update writes as a static address (see _mark_static)."""
     log = _Log(scaler._scale.device, scaler.__dict__.get("_history_len", 1000))
     scaler._graph_log = log
     scaler._graph_skip = _LazySkip(log.found)
+    _mark_static([scaler._scale, scaler._growth_tracker, scaler.__dict__.get("_hysteresis_tracker"), log.ring,
+                  log.tally, log.found])
+
+
+def _mark_static(tensors):
+    """CUDA graphs (``mode="reduce-overhead"``) replay only when every input a graph writes is at
+    a fixed address; torch marks the optimizer's parameters, gradients and state so when
+    ``_init_group`` is traced, and the scaler's own tensors are marked here. guard=False: a
+    tensor replaced later makes cudagraphs re-record, not recompile. Skipped where this torch
+    has no such function (the step then replays without CUDA graphs, as before)."""
+    mark = getattr(getattr(torch, "_dynamo", None), "mark_static_address", None)
+    if mark is None or torch.compiler.is_compiling():
+        return
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            mark(t, guard=False)
 
 
 def _grads(optimizer, device):
