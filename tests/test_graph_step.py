@@ -596,3 +596,22 @@ def test_a_sparse_gradient_is_not_traced():
     assert graph_step.traceable(ampx.GradScaler("cpu", enabled=False), opt, 2.0) == "devices"
     w.grad = w.grad.to_dense()
     assert graph_step.traceable(scaler, opt, stepping=True) is None
+
+
+def test_the_tensors_a_traced_update_writes_are_marked_static(monkeypatch):
+    """For CUDA graphs: the scale, the trackers and the telemetry ring are marked static
+    addresses when made (without re-guarding); a torch without the function skips the marking."""
+    import torch._dynamo
+
+    marked = []
+    monkeypatch.setattr(torch._dynamo, "mark_static_address", lambda t, guard=True: marked.append((t, guard)),
+                        raising=False)
+    scaler = ampx.GradScaler("cpu", hysteresis=2)
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    want = [scaler._scale, scaler._growth_tracker, scaler._hysteresis_tracker, scaler._graph_log.ring,
+            scaler._graph_log.tally, scaler._graph_log.found]
+    assert [id(t) for t, _ in marked] == [id(t) for t in want] and not any(g for _, g in marked)
+    monkeypatch.delattr(torch._dynamo, "mark_static_address")
+    other = ampx.GradScaler("cpu")
+    other._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    assert other._graph_log is not None
