@@ -170,13 +170,6 @@ def _fused_adam_step(optimizer, grad_scale, found_inf):
                                         bool(group["decoupled_weight_decay"]), grad_scale, found_inf)
 
 
-def _mark_stepped(optimizer):
-    """What an LR scheduler's wrapper of optimizer.step records when it runs (torch's scheduler
-    warns at its first step if it was not), since the traced step does not go through it."""
-    if getattr(optimizer.__dict__.get("step"), "_wrapped_by_lr_sched", False):
-        optimizer._opt_called = True
-
-
 def _traced_step_fn(optimizer):
     """How a traced step steps this optimizer, or None when it cannot be traced."""
     if _FUSED_ADAM is None or type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
@@ -394,7 +387,6 @@ def step(scaler, optimizer, args, kwargs):
         scaler.last_step_skipped = False
         with torch.no_grad():
             _traced_step_fn(optimizer)(optimizer, None, None)
-        _mark_stepped(optimizer)
         return None
     pending = _pending(scaler)
     # (found by identity and replaced by index: torch 2.10's dynamo compares tuples of tensors by value)
@@ -414,7 +406,8 @@ def step(scaler, optimizer, args, kwargs):
         grad_scale = grad_scale / coef
     with torch.no_grad():  # (fused optimizers are never differentiable)
         _traced_step_fn(optimizer)(optimizer, grad_scale, found)
-    _mark_stepped(optimizer)
+    # (an LR scheduler's wrapper of optimizer.step is not run, so its first step warns falsely:
+    # marking the optimizer here is dropped by torch 2.13's dynamo and an error under 2.10's)
     if at is None:
         pending.append((optimizer, found, coef, True))
     else:
