@@ -80,10 +80,6 @@ def _is_fused_torch(optimizer):
             and all(g.get("fused", True) for g in optimizer.param_groups))
 
 
-def _code_name(fn):
-    return getattr(getattr(fn, "__code__", None), "co_name", None)
-
-
 _GROUP_KEYS = ("betas", "amsgrad", "lr", "weight_decay", "eps", "maximize", "capturable", "differentiable",
                "decoupled_weight_decay", "fused")
 
@@ -305,17 +301,9 @@ def _mark_static(tensors):
             mark(t, guard=False)
 
 
-def _grads(optimizer, device):
-    grads = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            g = p.grad
-            if g is None:
-                continue
-            if g.layout != torch.strided or (device is not None and g.device != device) or hasattr(g, "to_local"):
-                raise ValueError("ampx.GradScaler under torch.compile: " + REASONS["devices"])
-            grads.append(g)
-    return grads
+def _grads(optimizer):
+    """The optimizer's gradients, in order (traceable() has checked they are one dense list)."""
+    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
 def _pending(scaler):
@@ -331,7 +319,7 @@ def _check_pass(scaler, optimizer, reduce, refuse_fp16):
     (grads, found_inf, total or None)."""
     scale = scaler._scale
     found = torch.zeros((), dtype=torch.float32, device=scale.device)
-    grads = _grads(optimizer, scale.device)
+    grads = _grads(optimizer)
     if not grads:
         return grads, found, (torch.zeros((), dtype=torch.float32, device=scale.device) if reduce else None)
     inv = scale.double().reciprocal().float()  # torch's reciprocal: in float64, then rounded
@@ -353,7 +341,7 @@ def clip(scaler, optimizer, max_norm, norm_type):
     max_norm, norm_type, _ = clip_args(max_norm, norm_type, False)
     reduce = _ORD[norm_type]
     if not scaler._enabled:
-        grads = _grads(optimizer, None)
+        grads = _grads(optimizer)
         if not grads:
             return torch.nn.utils.clip_grad_norm_([], max_norm, norm_type)
         with torch.no_grad():
@@ -433,7 +421,7 @@ def update(scaler):
         events = ops._update_scale_events(
             scale, tracker, found, scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval,
             scaler._hysteresis, scaler._hysteresis_tracker if scaler._hysteresis > 1 else None,
-            scaler._consecutive_hysteresis, _floor(scaler), scaler._max_scale)
+            scaler._consecutive_hysteresis, settings.scale_floor(scaler._min_scale), scaler._max_scale)
         if scaler._growth_timing == "deepspeed":
             tracker.copy_(torch.where(found.reshape(tracker.shape) != 0, torch.full_like(tracker, -1), tracker))
         events = events.double().reshape(())
@@ -452,10 +440,6 @@ def update(scaler):
     pending.clear()  # (log.found stays the last stepped optimizer's flag: last_step_skipped, as eagerly)
     scaler.last_step_skipped = scaler._graph_skip
     scaler._graph_dirty = True  # (only ever written in a graph: read eagerly, by drain)
-
-
-def _floor(scaler):
-    return settings.scale_floor(scaler._min_scale)
 
 
 NOTE = ("this step ran inside a compiled graph (torch.compile with a fused optimizer), whose per-parameter "
