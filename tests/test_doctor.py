@@ -44,19 +44,20 @@ class Net(nn.Module):
         return self.head(self.inner(x))
 
 
-def train(model, steps=BAD_STEP + 2, before_step=None, every=2, scaler=None, **monitor_kw):
-    """Runs `steps` steps; before_step(step, model) may change things. Returns the scaler,
-    the monitor and the reports of skipped steps keyed by step index."""
+def train(model, steps=BAD_STEP + 2, before_step=None, every=2, scaler=None, device="cpu", **monitor_kw):
+    """Runs `steps` steps on `device` (where the model already is); before_step(step, model) may
+    change things. Returns the scaler, the monitor and the reports of skipped steps keyed by
+    step index."""
     torch.manual_seed(0)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    scaler = scaler if scaler is not None else ampx.GradScaler("cpu", init_scale=2.0 ** 8)
+    scaler = scaler if scaler is not None else ampx.GradScaler(device, init_scale=2.0 ** 8)
     mon = scaler.monitor(model, every=every, **monitor_kw)
     reports = {}
     for step in range(steps):
         if before_step is not None:
             before_step(step, model)
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
-        with torch.autocast("cpu", dtype=torch.float16):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).to(device)
+        with torch.autocast(device, dtype=torch.float16):
             loss = model(x).float().pow(2).mean()
         scaler.scale(loss).backward()
         skipped_before = scaler.stats()["skipped_steps"]

@@ -7,8 +7,10 @@ this file), so the GPU half checks the same thing the CPU half has already shown
     CUDA registration is what runs there);
   * FakeTensorMode keeps the device of the outputs;
   * the compiled post-backward step (ampx/graph_step.py) replays bit-identical to eager;
-  * the monitor finds a forward overflow in a named Linear and reads no host value on clean
-    steps.
+  * the monitor finds a forward overflow in a named Linear (tests/test_doctor.py's model and
+    push, on the device).
+The CPU half repeats a few of tests/test_torch_ops.py's CPU cases; it is what shows these
+tests run and pass before a GPU ever sees them.
 """
 import math
 
@@ -17,30 +19,18 @@ import torch
 
 import ampx
 from conftest import CUDA, NO_CUDA_REASON, assert_bits_equal
-from test_torch_ops import CASES, OP_OF, _flat, _state
+from test_doctor import Net, _push_up, only_report, train
+from test_torch_ops import CASES, OP_OF, _flat, _run, _same_bits, _state
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason=NO_CUDA_REASON))]
-
-
-def _run(case, device, fn=None):
-    s = _state(device)
-    out = (fn or CASES[case])(s)
-    return _flat(out) + s["xs"] + [s["found_inf"], s["flags"]]
-
-
-def _same_bits(got, want):
-    assert len(got) == len(want)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device), (i, a, b)
-        assert_bits_equal(a.cpu(), b.cpu(), f"tensor {i}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_profiler_names_the_op_on_the_device(case, device):
-    want = _run(case, device)
+    want = _run(case, device=device)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        got = _run(case, device)
+        got = _run(case, device=device)
     names = {e.name for e in prof.events()}
     assert f"ampx::{OP_OF.get(case, case)}" in names, sorted(n for n in names if "ampx" in n)
     _same_bits(got, want)
@@ -51,8 +41,8 @@ def test_profiler_names_the_op_on_the_device(case, device):
 @pytest.mark.parametrize("case", ["unscale_norm_", "cast_", "update_scale_", "_scaler_check"])
 def test_fullgraph_on_the_device_gives_eager_bits(case, backend, device):
     torch._dynamo.reset()
-    want = _run(case, device)
-    got = _run(case, device, torch.compile(CASES[case], fullgraph=True, backend=backend))
+    want = _run(case, device=device)
+    got = _run(case, torch.compile(CASES[case], fullgraph=True, backend=backend), device)
     _same_bits(got, want)
 
 
@@ -61,7 +51,7 @@ def test_fullgraph_on_the_device_gives_eager_bits(case, backend, device):
 def test_fake_tensor_mode_keeps_the_device(case, device):
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    want = _run(case, device)
+    want = _run(case, device=device)
     with FakeTensorMode():
         out = _flat(CASES[case](_state(device)))
     assert out and all(isinstance(t, FakeTensor) for t in out)
@@ -108,45 +98,8 @@ def test_compiled_post_backward_step_on_the_device_gives_eager_bits(device):
     assert sc.stats()["skipped_steps"] == 1
 
 
-class _Block(torch.nn.Module):
-    def __init__(self, d=16):
-        super().__init__()
-        self.up = torch.nn.Linear(d, 2 * d)
-        self.down = torch.nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_monitor_finds_a_forward_overflow_on_the_device(device):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), _Block(), _Block(), torch.nn.Linear(16, 1)).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    scaler = ampx.GradScaler(device, init_scale=2.0 ** 8)
-    scaler.monitor(model, every=2)
-    skipped = {}
-    for step in range(5):
-        up = model[2].up
-        if step == 3:
-            with torch.no_grad():
-                saved = up.weight.clone(), up.bias.clone()
-                up.weight.mul_(1000.0)
-                up.bias.fill_(65000.0)
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).to(device)
-        with torch.autocast(device, dtype=torch.float16):
-            loss = model(x).float().pow(2).mean()
-        scaler.scale(loss).backward()
-        before = scaler.stats()["skipped_steps"]
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        if scaler.stats()["skipped_steps"] > before:
-            skipped[step] = scaler.overflow_report()
-        if step == 3:
-            with torch.no_grad():
-                up.weight.copy_(saved[0])
-                up.bias.copy_(saved[1])
-    assert list(skipped) == [3], skipped
-    o = skipped[3].origin
-    assert (o["phase"], o["module"], o["tensor"], o["kind"]) == ("forward", "2.up", "output 0", "inf"), o
+    _, _, reports = train(Net().to(device), before_step=_push_up, device=device)
+    o = only_report(reports).origin
+    assert (o["phase"], o["module"], o["tensor"], o["kind"]) == ("forward", "blocks.1.up", "output 0", "inf"), o

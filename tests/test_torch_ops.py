@@ -131,8 +131,8 @@ def _flat(out):
     return [t for o in out for t in _flat(o)]
 
 
-def _run(case, fn=None):
-    s = _state()
+def _run(case, fn=None, device="cpu"):
+    s = _state(device)
     out = (fn or CASES[case])(s)
     return _flat(out) + s["xs"] + [s["found_inf"], s["flags"]]
 
@@ -140,8 +140,8 @@ def _run(case, fn=None):
 def _same_bits(got, want):
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
-        assert a.dtype == b.dtype and a.shape == b.shape, (i, a, b)
-        assert_bits_equal(a, b, f"tensor {i}")
+        assert (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device), (i, a, b)
+        assert_bits_equal(a.cpu(), b.cpu(), f"tensor {i}")
 
 
 # ---- opcheck ----------------------------------------------------------------------------
