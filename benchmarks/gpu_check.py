@@ -673,8 +673,9 @@ def print_targets(header):
 
 
 def cpu_smoke():
-    """The issue-17 targets' code on the CPU at small sizes (CI runs it: the GPU sections can
-    otherwise only break where a GPU is lent). Timing by wall clock; the verdicts mean nothing."""
+    """The issue-17 targets' and the tensor_stats target's code on the CPU at small sizes (CI
+    runs it: the GPU sections can otherwise only break where a GPU is lent). Timing by wall
+    clock; the verdicts mean nothing."""
     global DEVICE, SMOKE, bench
     DEVICE, SMOKE = "cpu", True
 
@@ -693,7 +694,7 @@ def cpu_smoke():
     for fn in (t_views, t_separate, *SHAPE_TARGETS, tensor_stats_check):
         fn()
     span_table_sweep()
-    print_targets("--cpu-smoke: the issue-17 targets' code at small sizes on the CPU (verdicts mean nothing)")
+    print_targets("--cpu-smoke: the targets' code at small sizes on the CPU (verdicts mean nothing)")
     errors = [t for t in TARGETS if t[3] == "ERROR"]
     return 1 if errors or len(TARGETS) != 3 + len(SHAPE_TARGETS) else 0
 
@@ -703,7 +704,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--extended", action="store_true", help="also the older detailed sections")
     ap.add_argument("--cpu-smoke", action="store_true",
-                    help="run the issue-17 targets' code on the CPU at small sizes (no GPU needed; for CI)")
+                    help="run the targets' code on the CPU at small sizes (no GPU needed; for CI)")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.cpu_smoke:

@@ -138,8 +138,8 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   n=${#files[@]}
   for f in "${files[@]}"; do
     stage "tests: $f"
-    t=$(( ($(left) - 25) / n )); n=$(( n - 1 )); [ $t -gt 200 ] && t=200; [ $t -lt 15 ] && t=15
-    [ $n = 0 ] && t=$(( $(left) - 25 )) && [ $t -lt 15 ] && t=15  # the last file: all that is left
+    t=$(( ($(left) - 25) / n )); n=$(( n - 1 ))
+    [ $n -gt 0 ] && [ $t -gt 200 ] && t=200; [ $t -lt 15 ] && t=15  # the last file: all that is left
     sel="not emulated"; [ "$f" = tests/test_on_device.py ] && sel="cuda"
     timeout -k 5 $t "$PY" -m pytest -q -p no:cacheprovider -ra --durations=5 -k "$sel" "$f" \
         2>&1 | tee -a "$LOGS/tests.log" | tail -25
