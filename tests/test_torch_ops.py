@@ -303,6 +303,54 @@ def test_export_matches_eager():
     _same_bits(list(ep.module()(x, y)), list(_UsesOps()(x, y)))
 
 
+# Bad input that the fake kernel refuses, each with the eager exception and its words: the
+# fake kernel is what a trace runs, so the refusal comes before any kernel touches data.
+_BAD_UNDER_TRACE = {
+    "found_inf of the wrong dtype": (
+        lambda xs, ys: ops.unscale_(xs, 0.5, torch.zeros(1, dtype=torch.int32)),
+        TypeError, "ampx.ops.unscale_: found_inf must have dtype torch.float32, not torch.int32"),
+    "cast_ lists of unequal sizes": (
+        lambda xs, ys: ops.cast_(xs, ys[:1]),
+        ValueError, "ampx.ops.cast_: src has 2 tensors but dst has 1"),
+    "stochastic rounding into float32": (
+        lambda xs, ys: ops.cast_(xs, ys, rounding="stochastic"),
+        ValueError, "stochastic rounding writes bfloat16, but dst[0] has dtype torch.float32"),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(_BAD_UNDER_TRACE))
+@pytest.mark.parametrize("how", ["eager", "fullgraph", "graph_breaks_allowed", "export"])
+def test_bad_input_in_a_trace_names_the_problem_and_writes_nothing(bad, how):
+    """Under torch.compile torch re-raises an op's refusal as its TorchRuntimeError (a
+    RuntimeError) carrying the op's message, as for torch's own ops; without fullgraph it still
+    raises (a refusal is not a graph break). torch.export raises the eager exception itself.
+    In every case no tensor has changed."""
+    call, eager_type, words = _BAD_UNDER_TRACE[bad]
+    xs = [torch.tensor([1.0, math.inf, -0.0]), torch.full((5,), 3.0)]
+    ys = [torch.full((3,), 7.0), torch.full((5,), 7.0)]
+    before = [t.clone() for t in xs + ys]
+
+    def fn(a, b, c, d):
+        call([a, b], [c, d])
+        return a + 1
+
+    class _Module(torch.nn.Module):
+        def forward(self, a, b, c, d):
+            return fn(a, b, c, d)
+
+    runs = {"eager": lambda: fn(*xs, *ys),
+            "fullgraph": lambda: torch.compile(fn, fullgraph=True, backend="aot_eager")(*xs, *ys),
+            "graph_breaks_allowed": lambda: torch.compile(fn, backend="aot_eager")(*xs, *ys),
+            "export": lambda: torch.export.export(_Module(), (*xs, *ys))}
+    want = RuntimeError if how in ("fullgraph", "graph_breaks_allowed") else eager_type
+    with pytest.raises(want) as err:
+        runs[how]()
+    assert words in str(err.value)
+    if want is RuntimeError:
+        assert isinstance(err.value, torch._dynamo.exc.TorchRuntimeError)
+    _same_bits(xs + ys, before)
+
+
 # ---- the routing's fallbacks ------------------------------------------------------------------
 
 def test_fallbacks_where_torch_lacks_the_private_functions(monkeypatch):
