@@ -11,7 +11,7 @@
 # (AMPX_TEST_FRAMEWORKS=0 leaves these out) timm, torchtune, TRL, PEFT and diffusers;
 # bench: numpy), builds
 # ampx in place (editable) when its sources or build settings changed since the last build, and
-# runs the job. Extra arguments go to the job.
+# runs the job. Extra arguments go to the job (test: to pytest; name test files to run only those).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -92,7 +92,11 @@ fi
 
 case "$job" in
   demo)  exec "$V/python" -m ampx demo "$@" ;;
-  test)  exec "$V/python" -m pytest -q tests "$@" ;;
+  # Extra arguments go to pytest; a test file or folder among them runs instead of all of tests/.
+  test)  for a in "$@"; do
+           if [[ "$a" != -* && -e "$a" ]]; then exec "$V/python" -m pytest -q "$@"; fi
+         done
+         exec "$V/python" -m pytest -q tests "$@" ;;
   bench) "$V/python" benchmarks/bench_kernels.py "$@"
          exec "$V/python" benchmarks/bench_step.py ;;
 esac

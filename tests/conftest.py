@@ -212,6 +212,36 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
+# ---- the CPU's bf16 probe: who reads it ---------------------------------------------------
+# CI's pass 2 reruns, with AMPX_CPU_BF16=1, only the files listed in tests/_cpu_probe_files.py.
+# Every read of the probe in this process is counted, and a test from a file not listed that
+# reads it fails: pass 2 would never run it with the probe forced the other way.
+from _cpu_probe_files import FILES as _CPU_PROBE_FILES  # noqa: E402
+import ampx.policy as _policy  # noqa: E402
+
+_cpu_probe_reads = [0]
+_real_cpu_probe = _policy._cpu_has_native_bf16
+
+
+def _counted_cpu_probe():
+    _cpu_probe_reads[0] += 1
+    return _real_cpu_probe()
+
+
+_policy._cpu_has_native_bf16 = _counted_cpu_probe
+
+
+@pytest.fixture(autouse=True)
+def _cpu_probe_readers_are_listed(request):
+    before = _cpu_probe_reads[0]
+    yield
+    name = f"tests/{request.node.path.name}"
+    if _cpu_probe_reads[0] != before and name not in _CPU_PROBE_FILES:
+        pytest.fail(f"{name} read the CPU's bf16 probe (ampx.policy._cpu_has_native_bf16) but is not "
+                    "in tests/_cpu_probe_files.py: CI's pass 2, which forces the probe to 1, would "
+                    "never run it that way. Add it there.", pytrace=False)
+
+
 @pytest.fixture(autouse=True)
 def _restore_global_state():
     """No test may leak a SIMD level, threshold or thread count."""
