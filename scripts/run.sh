@@ -92,11 +92,8 @@ fi
 
 case "$job" in
   demo)  exec "$V/python" -m ampx demo "$@" ;;
-  # Extra arguments go to pytest; a test file or folder among them runs instead of all of tests/.
-  test)  for a in "$@"; do
-           if [[ "$a" != -* && -e "$a" ]]; then exec "$V/python" -m pytest -q "$@"; fi
-         done
-         exec "$V/python" -m pytest -q tests "$@" ;;
+  # Extra arguments go to pytest; with no test path among them, pyproject's testpaths (tests/) runs.
+  test)  exec "$V/python" -m pytest -q "$@" ;;
   bench) "$V/python" benchmarks/bench_kernels.py "$@"
          exec "$V/python" benchmarks/bench_step.py ;;
 esac
