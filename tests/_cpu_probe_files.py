@@ -2,10 +2,12 @@
 AMPX_CPU_BF16 forces): CI's pass 2, with the probe forced to 1, runs these and no others
 (.ci/run says why), after pass 1 ran the whole suite with it forced to 0.
 
-conftest.py fails a test that reads the probe in the pytest process from a file not listed here,
-so the list cannot fall behind what the tests themselves read. Not seen there: a read in a module-
-or session-scoped fixture, at collection, or only in a child process (a subprocess the
-test starts): list such a file by hand. Measured on 2026-12-07 by logging every
+conftest.py charges every read of the probe in the pytest process to the file of the test
+running then (PYTEST_CURRENT_TEST, so a read in a module- or session-scoped fixture counts for
+the test that set it up) and fails a test whose file is not listed here; a read at collection,
+outside every test, fails the next test that ends. So the list cannot fall behind what the
+tests read in that process. Not seen: a read only in a child process (a subprocess a test
+starts): list such a file by hand. Measured on 2026-12-07 by logging every
 read with PYTEST_CURRENT_TEST over the whole suite, children included: these six files and no
 others read it.
 
