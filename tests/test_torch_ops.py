@@ -360,6 +360,22 @@ def test_bad_input_in_a_trace_names_the_problem_and_writes_nothing(bad, how):
     _same_bits(xs + ys, before)
 
 
+def test_torch_treats_its_own_python_checks_as_ampx_does():
+    """The control for _CHECKED_BEFORE_THE_OP (and docs/ERRORS.md's claim): a check torch makes in
+    Python (F.pad's mode) is a graph break too, Unsupported under fullgraph and the eager
+    exception without it. If a torch changes this, ampx's choice must be looked at again."""
+    import torch.nn.functional as F
+
+    def fn(x):
+        return F.pad(x, (1, 1), mode="bogus")
+
+    x = torch.zeros(1, 1, 4)
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(fn, fullgraph=True, backend="eager")(x)
+    with pytest.raises(NotImplementedError, match="bogus"):
+        torch.compile(fn, backend="eager")(x)
+
+
 # ---- the routing's fallbacks ------------------------------------------------------------------
 
 def test_fallbacks_where_torch_lacks_the_private_functions(monkeypatch):
