@@ -485,9 +485,10 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             # a resumed run takes the same route as the saved one; hints exist only for the
             # optimizers that record them below, so only those take one
             hints[id(optimizer)] = loaded.pop(0)
-        # (Not when sharded: that route writes before the step's collective, which may fail.)
+        # (Not when sharded: that route writes before the step's collective, which may fail; nor
+        # with error_if_nonfinite, whose refusal must come before any gradient is written.)
         if (state["stage"] is OptState.READY and plain and on_cpu and not self._sharded
-                and not hints.get(id(optimizer), True)):
+                and not error_if_nonfinite and not hints.get(id(optimizer), True)):
             total, coef = self._clip_unscaling_first(optimizer, state, max_norm, reduce, norm_type,
                                                      error_if_nonfinite)
         else:
@@ -576,7 +577,6 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             written = not getattr(optimizer, "_step_supports_amp_scaling", False)  # below, by inv * coef
             per_device, total = self._grad_pass(optimizer, inv, found_inf, False, write=False, reduce=reduce,
                                                 then_written=written and not isinstance(optimizer, MasterWeights))
-            state["found_inf_per_device"] = per_device
         else:  # already unscaled by unscale_() (master weights: into the masters' gradients)
             inv = None
             sources = self._flag_sources.get(id(optimizer))
@@ -589,8 +589,11 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                 _or_found(state, agreed)
             if sources is not None:  # the overflow report stays unscale_'s, by parameter
                 self._flag_sources[id(optimizer)] = sources
-        state["norm_dtype"] = torch_norm_dtype(self._last_grads)  # the dtype torch's clip would return
-        self._check_clip_norm(total, norm_type, error_if_nonfinite)
+        norm_dtype = torch_norm_dtype(self._last_grads)  # the dtype torch's clip would return
+        self._check_clip_norm(total, norm_type, error_if_nonfinite)  # (before any state is recorded)
+        if inv is not None:
+            state["found_inf_per_device"] = per_device
+        state["norm_dtype"] = norm_dtype
         coef = _clip_coef(max_norm, total)
         self._last_norm = total
         state["clipped"] = True
@@ -630,7 +633,9 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         if not self._enabled:
             return
         _no_compiled_step(self, "unscale_")
-        state = self._per_optimizer_states[id(optimizer)]
+        # (.get: a call torch refuses, before any scale(), must not leave an entry behind, which
+        # would stop the scaler from pickling until the next update())
+        state = self._per_optimizer_states.get(id(optimizer)) or {}
         if state.get("inf_checked") and state["stage"] is OptState.READY:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         _TorchScaler.unscale_(self, optimizer)

@@ -1722,6 +1722,67 @@ def test_clip_grad_norm_error_if_nonfinite_and_disabled():
          nn.utils.clip_grad_norm_(ref.parameters(), 0.1, norm_type=3.0))
 
 
+@pytest.mark.parametrize("first_clip_clips", [False, True], ids=["hint_unscale_first", "hint_norm_first"])
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_clip_error_if_nonfinite_writes_nothing_then_steps_as_torch(first_clip_clips, bad):
+    """A clip that refuses a non-finite norm leaves the gradients and the stage as they were,
+    whichever route the last step's clip chose (a clip that did not clip makes the next one
+    unscale while it reads: that route once wrote the gradients, then raised with the stage still
+    READY, so the step after unscaled them a second time). The step and update that follow
+    match torch's unscale_ + clip_grad_norm_ + step + update bit for bit."""
+    max_norm = 1e-3 if first_clip_clips else 1e6
+    runs = {}
+    for name, make in (("torch", torch_scaler), ("ampx", ampx_scaler)):
+        model = two_layer()
+        opt = make_opt(torch.optim.SGD, model, {"lr": 0.1, "momentum": 0.9})
+        scaler = make(init_scale=4.0)
+
+        def clip(error):
+            if name == "torch":
+                scaler.unscale_(opt)
+                return nn.utils.clip_grad_norm_(model.parameters(), max_norm, error_if_nonfinite=error)
+            return scaler.clip_grad_norm_(opt, max_norm, error_if_nonfinite=error)
+
+        x, y = batches()[0]
+        scaler.scale(mse(model(x), y)).backward()
+        clip(False)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scaler.scale(mse(model(x), y)).backward()
+        model[0].bias.grad[1] = bad
+        before = [p.grad.clone() for p in model.parameters()]
+        with pytest.raises(RuntimeError, match="non-finite"):
+            clip(True)
+        if name == "ampx":
+            for p, b in zip(model.parameters(), before):
+                same(p.grad, b)  # nothing written
+            assert scaler._per_optimizer_states[id(opt)]["stage"] is OptState.READY
+        scaler.step(opt)
+        scaler.update()
+        runs[name] = ([p.detach().clone() for p in model.parameters()], [p.grad.clone() for p in model.parameters()],
+                      scaler.get_scale(), scaler._get_growth_tracker())
+    (p_t, g_t, s_t, t_t), (p_a, g_a, s_a, t_a) = runs["torch"], runs["ampx"]
+    for a, b in zip(p_a + g_a, p_t + g_t):
+        same(a, b)  # the gradients unscaled once, as torch's
+    assert (s_a, t_a) == (s_t, t_t) == (2.0, 0)
+
+
+def test_clip_error_if_nonfinite_then_a_retry_clips():
+    """After the refusal the same step can still be clipped (it was not marked as clipped)."""
+    model = two_layer()
+    opt = make_opt(torch.optim.SGD, model, {"lr": 0.1})
+    scaler = ampx_scaler(init_scale=4.0)
+    x, y = batches()[0]
+    scaler.scale(mse(model(x), y)).backward()
+    model[1].weight.grad[0, 0] = math.inf
+    with pytest.raises(RuntimeError, match="non-finite"):
+        scaler.clip_grad_norm_(opt, 1.0, error_if_nonfinite=True)
+    assert not math.isfinite(scaler.clip_grad_norm_(opt, 1.0).item())
+    scaler.step(opt)
+    assert scaler.last_step_skipped
+
+
 def test_clip_grad_norm_overflow_skips_step():
     for opt_kw in ({}, {"fused": True}):
         model = two_layer()
