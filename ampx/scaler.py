@@ -107,17 +107,26 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                  min_scale=None, max_scale=None, on_min_scale="warn", dynamic=True,
                  named_parameters=None, history=1000, on_overflow=None, process_group=None,
                  growth_timing="torch", explain_overflows=False, clip_norm="exact", check_ranks=False):
-        # Every setting is checked before anything is built (torch's own two rules included, so
-        # its bare AssertionError becomes a SettingError naming the setting, and a NaN that
-        # slips past torch's comparisons is refused).
+        # torch's own methods are named, not reached through super(): ampx.ShardedGradScaler
+        # also derives from torch's ShardedGradScaler, whose overrides must not run here.
+        # torch's constructor runs first to settle whether scaling is on (enabled, and for
+        # device="cuda" a CUDA torch can use): a scaler that is off checks none of torch's
+        # settings, as torch's does not.
+        try:
+            _TorchScaler.__init__(self, device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+            refused = None
+        except (AssertionError, TypeError) as e:  # (only while on; said again below in ampx's words)
+            refused = e
+        # Then every setting is checked before anything else is built (torch's own two rules
+        # included, so its bare AssertionError becomes a SettingError naming the setting, and a
+        # NaN that slips past torch's comparisons is refused).
         lo, hi = settings.check_settings(
             "ampx.GradScaler", init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
             growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
-            on_min_scale=on_min_scale, growth_timing=growth_timing, clip_norm=clip_norm)
+            on_min_scale=on_min_scale, growth_timing=growth_timing, clip_norm=clip_norm, scaling=self._enabled)
+        if refused is not None:
+            raise refused
         check_ranks = rank_check.checked("ampx.GradScaler", check_ranks, process_group is not None)
-        # torch's own methods are named, not reached through super(): ampx.ShardedGradScaler
-        # also derives from torch's ShardedGradScaler, whose overrides must not run here.
-        _TorchScaler.__init__(self, device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
         self._per_optimizer_states = _fresh_states()  # torch's has only torch's keys
         self.process_group = process_group
         self._sharded = process_group is not None

@@ -48,15 +48,23 @@ def check_scale_value(op, name, value):
 
 def check_settings(op, names=None, *, init_scale, growth_factor, backoff_factor, growth_interval,
                    hysteresis=1, min_scale=None, max_scale=None, on_min_scale="warn", growth_timing="torch",
-                   clip_norm="exact"):
+                   clip_norm="exact", scaling=True):
     """Raises ValueError (``SettingError`` where torch raises AssertionError) naming ``op`` and
     the setting, for any setting the scaler cannot honour. ``names`` maps a setting to how the
-    caller's user wrote it (``state_dict['scale']`` for a checkpoint)."""
+    caller's user wrote it (``state_dict['scale']`` for a checkpoint). scaling=False (a disabled
+    scaler): torch's own four settings go unchecked, as torch leaves them (a disabled scaler never
+    reads them); ampx's own are checked either way."""
     names = names or {}
 
     def bad(key, value, rule, cls=ValueError):
         _bad(op, names.get(key, key), value, rule, cls)
 
+    if scaling:
+        _check_torch_settings(op, bad, names, init_scale, growth_factor, backoff_factor, growth_interval)
+    return _check_ampx_settings(bad, hysteresis, min_scale, max_scale, on_min_scale, growth_timing, clip_norm)
+
+
+def _check_torch_settings(op, bad, names, init_scale, growth_factor, backoff_factor, growth_interval):
     check_scale_value(op, names.get("init_scale", "init_scale"), init_scale)
     if not (is_real(growth_factor) and not math.isnan(growth_factor)):
         bad("growth_factor", growth_factor, "a finite number > 1")
@@ -76,6 +84,10 @@ def check_settings(op, names=None, *, init_scale, growth_factor, backoff_factor,
         bad("backoff_factor", backoff_factor, "a number in (0, 1) (0 or less makes the scale 0 or negative)")
     if not (is_count(growth_interval) and 1 <= growth_interval <= INT32_MAX):
         bad("growth_interval", growth_interval, f"an integer from 1 to {INT32_MAX} (the tracker is int32)")
+
+
+def _check_ampx_settings(bad, hysteresis, min_scale, max_scale, on_min_scale, growth_timing, clip_norm):
+    """The settings torch's scaler does not have; returns (min_scale, max_scale) as floats."""
     if not (is_count(hysteresis) and 1 <= hysteresis <= INT32_MAX):
         bad("hysteresis", hysteresis, f"an integer from 1 to {INT32_MAX} (the tracker is int32)")
     lo = 0.0 if min_scale is None else min_scale

@@ -86,6 +86,51 @@ def test_torchs_assertion_errors_stay_assertion_errors():
         assert str(info.value) in ("The growth factor must be > 1.0.", "The backoff factor must be < 1.0.")
 
 
+@pytest.mark.parametrize("kw", [dict(init_scale=0.0), dict(init_scale=math.nan), dict(growth_factor=1.0),
+                                dict(backoff_factor=1.0), dict(growth_interval=0), dict(growth_factor=math.nan)])
+def test_a_disabled_scaler_takes_the_settings_torchs_takes(kw):
+    """A scaler that is off reads none of torch's four settings, and torch's checks none of them
+    (a config may turn AMP off and keep a DeepSpeed-style loss_scale of 0): ampx's takes what
+    torch's takes and behaves as it does; ampx's own settings are still checked."""
+    ref = torch.amp.GradScaler("cpu", enabled=False, **kw)
+    sut = ampx.GradScaler("cpu", enabled=False, **kw)
+    assert not sut.is_enabled() and sut.state_dict() == ref.state_dict() == {}
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.5)
+    loss = p.sum()
+    assert sut.scale(loss) is loss
+    loss.backward()
+    sut.step(opt)
+    sut.update()
+    assert torch.equal(p.detach(), torch.full((3,), 0.5))
+    with pytest.raises(ValueError, match="hysteresis"):
+        ampx.GradScaler("cpu", enabled=False, hysteresis=0, **kw)
+    with pytest.raises(ValueError, match="on_min_scale"):
+        ampx.GradScaler("cpu", enabled=False, on_min_scale="shout", **kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that cannot use CUDA")
+def test_a_cuda_scaler_that_torch_turns_off_takes_the_settings_torchs_takes():
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        ref = torch.amp.GradScaler(init_scale=0.0, growth_factor=1.0)
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        sut = ampx.GradScaler(init_scale=0.0, growth_factor=1.0)
+    assert not ref.is_enabled() and not sut.is_enabled()
+
+
+def test_unscale_before_scale_refuses_as_torch_and_leaves_no_state():
+    """torch refuses unscale_ before the first scale(); the refusal leaves no per-optimizer entry
+    behind, so the scaler still pickles (torch's rule: only between iterations)."""
+    for make in (torch.amp.GradScaler, ampx.GradScaler):
+        p = torch.nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([p], lr=0.1)
+        scaler = make("cpu")
+        with pytest.raises(AssertionError, match="scale"):
+            scaler.unscale_(opt)
+        assert len(scaler._per_optimizer_states) == 0, make
+        pickle.loads(pickle.dumps(scaler))
+
+
 def test_deepspeed_config_never_sees_a_refused_setting():
     with pytest.raises(ValueError, match="hysteresis"):
         ampx.Policy("fp16", device="cpu", hysteresis=0)
