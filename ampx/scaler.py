@@ -48,7 +48,9 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         consecutive_hysteresis: refill the hysteresis on every clean step instead.
         min_scale, max_scale: bounds the scale never leaves (default: none, as torch).
         on_min_scale: what an overflow does while the scale already sits at ``min_scale``:
-            "warn" (log a warning and go on), "raise" (RuntimeError, as DeepSpeed) or "ignore".
+            "warn" (log a warning and go on), "raise" (RuntimeError, as DeepSpeed, raised by
+            ``update()`` before it changes anything: a retry raises again, and
+            ``update(new_scale)`` can still set a scale by hand) or "ignore".
         dynamic: False for static loss scaling: the scale stays at ``init_scale`` (steps with
             inf/NaN gradients are still skipped).
         growth_timing: "torch" (grow on the ``growth_interval``-th clean step in a row) or
@@ -783,15 +785,20 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         found = found_infs[0]
         for f in found_infs[1:]:
             found = found + f
+        hysteresis = self._hysteresis_tracker if self._hysteresis > 1 else None
+        updated, events = None, 0
+        if self._dynamic and self._on_min_scale == "raise":
+            updated, events = self._update_on_copies(scale, tracker, hysteresis, found)  # (may raise)
         trace = None
         if self._monitor is not None:  # the step's flags, and the scale it ran at
             trace = self._monitor._end_step(scale)
-        events = 0
+        if updated is not None:
+            for live, new in zip((scale, tracker, hysteresis), updated):
+                if live is not None:
+                    live.copy_(new)
+        elif self._dynamic:
+            events = self._scale_rule(scale, tracker, hysteresis, found)
         if self._dynamic:
-            events = ops._update_scale_events(
-                scale, tracker, found, self._growth_factor, self._backoff_factor, self._growth_interval,
-                self._hysteresis, self._hysteresis_tracker if self._hysteresis > 1 else None,
-                self._consecutive_hysteresis, settings.scale_floor(self._min_scale), self._max_scale)
             if self._growth_timing == "deepspeed":
                 # DeepSpeed counts clean steps from the overflow step itself: restart one lower,
                 # on the device, without a host read.
@@ -813,6 +820,24 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         # the device has got there (at a later update, or when stats() or a report asks), so
         # the step never waits for the host.
         self._defer(scale, found, events, sources, trace)
+
+    def _scale_rule(self, scale, tracker, hysteresis_tracker, found):
+        """The scale update in place on these tensors; returns its events (ops._update_scale_events)."""
+        return ops._update_scale_events(
+            scale, tracker, found, self._growth_factor, self._backoff_factor, self._growth_interval,
+            self._hysteresis, hysteresis_tracker, self._consecutive_hysteresis,
+            settings.scale_floor(self._min_scale), self._max_scale)
+
+    def _update_on_copies(self, scale, tracker, hysteresis_tracker, found):
+        """on_min_scale="raise", all or nothing: the update run on copies of the three trackers,
+        returned with its events for update() to keep; an overflow at the floor raises instead,
+        with every tensor and counter as it was before update() (a retry raises again, and
+        update(new_scale) can still set a scale by hand). Reads the events: waits for a device."""
+        copies = tuple(None if t is None else t.clone() for t in (scale, tracker, hysteresis_tracker))
+        events = self._scale_rule(*copies, found)
+        if int(events) & _C.UPD_AT_MIN:
+            raise RuntimeError(self._at_floor_message() + " (on_min_scale='raise')")
+        return copies, events
 
     def _checked_new_scale(self, new_scale):
         """update(new_scale)'s argument as a float or a tensor to copy, after every check."""

@@ -150,10 +150,6 @@ class TelemetryMixin:
 
     def _defer(self, scale, found, events, sources, trace=None):
         """Hands one device-side update's telemetry over without waiting for the device."""
-        # on_min_scale="raise" has to know now: it waits.
-        if self._on_min_scale == "raise" and self._dynamic and int(events) & _C.UPD_AT_MIN:
-            self._drain(wait=True)
-            self._account(self._steps, float(scale.item()), True, int(events), sources, trace)
         self._pending.append(_Pending(self._steps, scale, found, events, sources, trace))
         self._drain(wait=False)
 
@@ -180,19 +176,19 @@ class TelemetryMixin:
             logger.debug("ampx.GradScaler: step %d skipped (inf/NaN gradients); scale -> %s", step, scale)
             if self._on_overflow is not None:
                 self._on_overflow(self._last_report)
-        if events & _C.UPD_AT_MIN:
-            floor = (f"min_scale={self._min_scale}" if self._min_scale >= settings.FLOAT32_MIN_NORMAL else
-                     f"its floor, float32's smallest normal number {settings.FLOAT32_MIN_NORMAL:.4g} (min_scale "
-                     f"{self._min_scale} is lower; a smaller scale would underflow to 0 and write NaN)")
-            msg = (f"ampx.GradScaler: gradients overflowed with the loss scale already at {floor}; the step "
-                   "was skipped and the scale cannot fall further.")
-            if self._on_min_scale == "raise":
-                raise RuntimeError(msg + " (on_min_scale='raise')")
-            if self._on_min_scale == "warn":
-                logger.warning(msg)
+        # (on_min_scale="raise" never gets here at the floor: update() raised before changing anything)
+        if events & _C.UPD_AT_MIN and self._on_min_scale == "warn":
+            logger.warning(self._at_floor_message())
         self._scale_lo = min(self._scale_lo, scale)
         self._scale_hi = max(self._scale_hi, scale)
         self._history.append((step, scale))
+
+    def _at_floor_message(self):
+        floor = (f"min_scale={self._min_scale}" if self._min_scale >= settings.FLOAT32_MIN_NORMAL else
+                 f"its floor, float32's smallest normal number {settings.FLOAT32_MIN_NORMAL:.4g} (min_scale "
+                 f"{self._min_scale} is lower; a smaller scale would underflow to 0 and write NaN)")
+        return (f"ampx.GradScaler: gradients overflowed with the loss scale already at {floor}; the step "
+                "was skipped and the scale cannot fall further.")
 
     def _make_report(self, step, sources):
         inf, nan = flagged_names((pair for src in sources for pair in src), self._param_names)

@@ -131,6 +131,42 @@ def test_unscale_before_scale_refuses_as_torch_and_leaves_no_state():
         pickle.loads(pickle.dumps(scaler))
 
 
+@pytest.mark.parametrize("hysteresis", [1, 2])
+@pytest.mark.parametrize("lazy", [False, True], ids=["host_telemetry", "device_telemetry"])
+def test_on_min_scale_raise_changes_nothing(hysteresis, lazy, monkeypatch):
+    """update() at the floor with on_min_scale='raise' raises before anything changes: the scale,
+    both trackers, the step counts, the report, the history and the per-optimizer states are as
+    they were (so a retry raises again), and update(new_scale) still sets a scale by hand."""
+    monkeypatch.setattr(ampx.GradScaler, "_force_lazy_telemetry", lazy)
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    s = ampx.GradScaler("cpu", init_scale=2.0, min_scale=2.0, growth_interval=10, hysteresis=hysteresis,
+                        on_min_scale="raise")
+
+    def step(bad):
+        s.scale(torch.ones(()))
+        p.grad = torch.full((4,), math.nan if bad else 1.0)
+        s.step(opt)
+
+    def state():
+        st = s.stats()
+        return (s.state_dict(), st["steps"], st["skipped_steps"], list(st["history"]), s.overflow_report(),
+                {k: dict(v) for k, v in s._per_optimizer_states.items()}, p.detach().clone())
+
+    for bad in [False, False] + [True] * (hysteresis - 1):  # hysteresis: the overflows it absorbs first
+        step(bad)
+        s.update()
+    step(True)
+    before = state()
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="min_scale=2.*on_min_scale='raise'"):
+            s.update()
+        after = state()
+        assert after[:5] == before[:5] and after[5].keys() == before[5].keys() and torch.equal(after[6], before[6])
+    s.update(new_scale=8.0)
+    assert s.get_scale() == 8.0 and s.stats()["steps"] == before[1] + 1
+
+
 def test_deepspeed_config_never_sees_a_refused_setting():
     with pytest.raises(ValueError, match="hysteresis"):
         ampx.Policy("fp16", device="cpu", hysteresis=0)
