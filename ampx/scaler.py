@@ -500,8 +500,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         # with error_if_nonfinite, whose refusal must come before any gradient is written.)
         if (state["stage"] is OptState.READY and plain and on_cpu and not self._sharded
                 and not error_if_nonfinite and not hints.get(id(optimizer), True)):
-            total, coef = self._clip_unscaling_first(optimizer, state, max_norm, reduce, norm_type,
-                                                     error_if_nonfinite)
+            total, coef = self._clip_unscaling_first(optimizer, state, max_norm, reduce)
         else:
             total, coef = self._clip_norm_first(optimizer, state, max_norm, reduce, norm_type,
                                                 error_if_nonfinite)
@@ -558,15 +557,15 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         self._last_norm = total
         return total
 
-    def _clip_unscaling_first(self, optimizer, state, max_norm, reduce, norm_type, error_if_nonfinite):
+    def _clip_unscaling_first(self, optimizer, state, max_norm, reduce):
         """Route 2, a plain optimizer whose last step did not clip: one read-write pass unscales
         while it computes the norm, and a second multiplies by the coefficient only if it is < 1.
+        Never with error_if_nonfinite (its refusal must come before any write: route 3).
         Returns (norm, clip coefficient)."""
         per_device, total = self._grad_pass(optimizer, self._inv_scale(), self._new_found_inf(), False,
                                             write=True, reduce=reduce)
         state["found_inf_per_device"] = per_device
         state["norm_dtype"] = torch_norm_dtype(self._last_grads)
-        self._check_clip_norm(total, norm_type, error_if_nonfinite)
         coef = _clip_coef(max_norm, total)
         self._last_norm = total
         state["clipped"] = True
