@@ -53,10 +53,14 @@ def test_bf16_section_is_valid_for_deepspeed(monkeypatch):
 
 def test_short_deepspeed_bf16_training_run_on_cpu(tmp_path):
     script = textwrap.dedent("""
-        import os
+        import os, sys
         os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT="29561",
                           RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         import torch, deepspeed, ampx
+        import deepspeed.comm.torch  # noqa: F401  (the name deepspeed.comm.torch is torch itself)
+        # DeepSpeed's CPU shared-memory all-reduce is JIT-compiled on first use (45 s on 2 cores
+        # in CI, rebuilt on each new machine); it is its own speed-up, not what this tests
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
         from ampx import policy as pm
         pm._cpu_has_native_bf16 = lambda: True
         p = ampx.Policy("bf16", device="cpu")
