@@ -6,7 +6,6 @@ inf check, norm and scale update is one call of an ``ampx.ops`` kernel over all 
 device, whatever their dtypes.
 """
 import contextlib
-import functools
 import math
 
 import torch
@@ -22,7 +21,8 @@ from .sharding import agree, check_sharded_placements, combine, is_sharded_dtens
 from .telemetry import OverflowReport, TelemetryMixin, _LazySkip
 from .call_args import check_step_args, clip_args
 from . import graph_step
-from .compile_guard import eager_under_compile, host_driven, make_runners
+from . import compile_guard
+from .compile_guard import eager_method, eager_under_compile, make_runners
 from .scaler_helpers import (_ORD, _by_device, _check_written, _clip_coef, _fresh_opt_state,  # noqa: F401
                              _fresh_states, _group_size, _or_found, _reduce_of, _refuse_plain_beside_dtensors,
                              _split, _step_handing_scale, _takes_no_found_inf, _who)
@@ -450,9 +450,9 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
                 self._clip_grad_norm, optimizer, max_norm, norm_type, error_if_nonfinite)
         return self._clip_grad_norm(optimizer, max_norm, norm_type, error_if_nonfinite)
 
-    @functools.partial(host_driven, name="clip_grad_norm_")
+    @eager_method("clip_grad_norm_")
     def _clip_grad_norm(self, optimizer, max_norm, norm_type, error_if_nonfinite):
-        """clip_grad_norm_ run eagerly (under torch.compile too: see host_driven)."""
+        """clip_grad_norm_ run eagerly (under torch.compile too: see compile_guard.eager_method)."""
         _no_compiled_step(self, "clip_grad_norm_")
         optimizer = resolve_optimizer(optimizer, "clip_grad_norm_")
         # check_ranks: only a clip whose pass carries the flag (not after unscale_) shares a refusal
@@ -636,7 +636,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
 
     # ---- step and update --------------------------------------------------------------
 
-    @host_driven
+    @eager_method()
     def unscale_(self, optimizer):
         """Unscales the optimizer's gradients in place and checks them for inf/NaN (as torch)."""
         optimizer = resolve_optimizer(optimizer, "unscale_")
@@ -669,9 +669,9 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             return eager_under_compile("step", why)(self._step, optimizer, *args, **kwargs)
         return self._step(optimizer, *args, **kwargs)
 
-    @functools.partial(host_driven, name="step")
+    @eager_method("step")
     def _step(self, optimizer, *args, **kwargs):
-        """step run eagerly (under torch.compile too: see host_driven)."""
+        """step run eagerly (under torch.compile too: see compile_guard.eager_method)."""
         _no_compiled_step(self, "step")
         stepper = fabric_stepper(self, optimizer)
         optimizer = resolve_optimizer(optimizer, "step", "param_groups" if self._enabled else "step")
@@ -755,9 +755,9 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             return eager_under_compile("update", why)(self._update, new_scale)
         return self._update(new_scale)
 
-    @functools.partial(host_driven, name="update")
+    @eager_method("update")
     def _update(self, new_scale=None):
-        """update run eagerly (under torch.compile too: see host_driven)."""
+        """update run eagerly (under torch.compile too: see compile_guard.eager_method)."""
         if not self._enabled:
             return
         _no_compiled_step(self, "update")
@@ -866,6 +866,7 @@ def _no_compiled_step(scaler, method):
         raise err
 
 
+compile_guard.install(GradScaler)
 make_runners()
 
 

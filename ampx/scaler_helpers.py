@@ -6,6 +6,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from . import _C, ops
+from .compile_guard import eager_function
 from .master import MasterWeights
 from .sharding import LayoutRefused
 
@@ -17,7 +18,7 @@ def _takes_no_found_inf(optimizer):
     return type(optimizer).__module__.startswith("torch.optim.") and bool(optimizer.defaults.get("fused"))
 
 
-@torch.compiler.disable  # host-driven: dynamo loses the attributes set here across its graph breaks
+@eager_function  # host-driven: dynamo loses the attributes set here across its graph breaks
 def _step_handing_scale(stepper, optimizer, grad_scale, found_inf, args, kwargs):
     """Steps an optimizer that handles scaling itself, handing it grad_scale and found_inf as
     attributes for the step only; returns (what its step returns, the found_inf handed)."""

@@ -11,6 +11,8 @@ import weakref
 
 import torch
 
+from ..compile_guard import eager_function
+
 __all__ = ["resolve_optimizer", "fabric_stepper", "drives_scaler_itself", "is_fabric_wrapper", "named_module"]
 
 # Module wrappers whose own named_parameters() prefix the names the user knows the parameters by:
@@ -85,7 +87,7 @@ def fabric_stepper(scaler, optimizer):
 _DRIVES_SCALER = weakref.WeakKeyDictionary()  # step function -> whether it takes grad_scaler=
 
 
-@torch.compiler.disable  # dynamo cannot trace the weak dictionary ("weak object has gone away")
+@eager_function  # dynamo cannot trace the weak dictionary ("weak object has gone away")
 def drives_scaler_itself(step):
     """Whether an optimizer's ``step`` takes ``grad_scaler=`` (torch's deprecated contract).
     Cached per function: inspect.signature costs about 65 us, a tenth of a small model's step."""
