@@ -3,8 +3,8 @@
 Owns the checkpoint format (torch's five keys plus ampx's extras, which torch's scaler ignores)
 and its rules: a dict is checked whole against the constructor's rules before anything changes,
 and everything a resumed run needs to repeat the uninterrupted one bit for bit travels with it
-(the hysteresis tracker, the growth timing, the clip_norm setting, the clip route of each optimizer, and the counters
-and scale history ``stats()`` reports). ``GradScaler``
+(the hysteresis tracker, the growth timing, the clip_norm and on_min_scale settings, the clip route of each
+optimizer, and the counters and scale history ``stats()`` reports). ``GradScaler``
 (ampx/scaler.py) inherits ``CheckpointMixin``; torch's methods are named, not reached through
 super(), for the reason given there.
 """
@@ -37,6 +37,8 @@ class CheckpointMixin:
             "growth_timing": self.__dict__.get("_growth_timing", "torch"),
             "clip_norm": self.__dict__.get("_clip_norm", "exact"),
             "check_ranks": self.__dict__.get("_check_ranks", False),
+            # (a run saved with "raise" must raise at the floor when resumed, not warn)
+            "on_min_scale": self._on_min_scale,
             "_hysteresis_tracker": self._get_hysteresis_tracker(),
             # which clip route each optimizer's next step takes (it decides the last bits of
             # the gradients, so an exact resume needs it)
@@ -74,6 +76,7 @@ class CheckpointMixin:
         self._growth_timing = new["growth_timing"]
         self._clip_norm = new["clip_norm"]
         self._check_ranks = new["check_ranks"]
+        self._on_min_scale = new["on_min_scale"]
         self._init_hysteresis_tracker = new["_hysteresis_tracker"]
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(new["_hysteresis_tracker"])
@@ -94,19 +97,21 @@ class CheckpointMixin:
                "min_scale": sd.get("min_scale", self._min_scale), "max_scale": sd.get("max_scale", self._max_scale),
                "dynamic": sd.get("dynamic", self._dynamic),
                "growth_timing": sd.get("growth_timing", self.__dict__.get("_growth_timing", "torch")),
-               "clip_norm": sd.get("clip_norm", self.__dict__.get("_clip_norm", "exact"))}
+               "clip_norm": sd.get("clip_norm", self.__dict__.get("_clip_norm", "exact")),
+               "on_min_scale": sd.get("on_min_scale", self._on_min_scale)}
         new["_hysteresis_tracker"] = sd.get("_hysteresis_tracker", new["hysteresis"])
 
         def bad(key, rule):
             raise ValueError(f"{op}: state_dict[{key!r}] must be {rule}, not {sd.get(key)!r}")
 
         keys = ("scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale",
-                "max_scale", "growth_timing", "clip_norm")
+                "max_scale", "on_min_scale", "growth_timing", "clip_norm")
         settings.check_settings(
             op, {k: f"state_dict[{k!r}]" for k in keys} | {"init_scale": "state_dict['scale']"},
             init_scale=sd["scale"], growth_factor=sd["growth_factor"], backoff_factor=sd["backoff_factor"],
             growth_interval=sd["growth_interval"], hysteresis=new["hysteresis"], min_scale=new["min_scale"],
-            max_scale=new["max_scale"], growth_timing=new["growth_timing"], clip_norm=new["clip_norm"])
+            max_scale=new["max_scale"], on_min_scale=new["on_min_scale"], growth_timing=new["growth_timing"],
+            clip_norm=new["clip_norm"])
         settings.check_growth_tracker(op, "state_dict['_growth_tracker']", sd["_growth_tracker"],
                                       new["growth_timing"])
         new["check_ranks"] = sd.get("check_ranks", self.__dict__.get("_check_ranks", False))

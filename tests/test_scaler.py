@@ -465,6 +465,8 @@ def _everything(s):
     ("min_scale", 2.0**30, ValueError, "max_scale.*must be None, inf or a number >= min_scale"),
     ("dynamic", "False", ValueError, r"state_dict\['dynamic'\] must be True or False"),
     ("consecutive_hysteresis", 1, ValueError, "consecutive_hysteresis"),
+    ("on_min_scale", "explode", ValueError, r"state_dict\['on_min_scale'\] must be one of"),
+    ("on_min_scale", None, ValueError, "on_min_scale"),
     ("_hysteresis_tracker", None, ValueError, "_hysteresis_tracker"),
     ("_hysteresis_tracker", 5, ValueError, r"from 1 to hysteresis \(3\)"),
     ("scale", None, KeyError, "has no 'scale'"),
@@ -492,6 +494,33 @@ def test_torchs_state_dict_loads_and_keeps_the_extras():
     s = _loaded_scaler()
     s.load_state_dict(t.state_dict())
     assert s.get_scale() == 64.0 and s._hysteresis == 3 and s._min_scale == 2.0
+    assert s._on_min_scale == "warn"
+
+
+def test_on_min_scale_travels_with_the_checkpoint():
+    """A run saved with on_min_scale='raise' raises at the floor when resumed into a default
+    scaler (it warned before: the setting was not saved), and a torch checkpoint keeps it."""
+    def at_floor(scaler):
+        p = torch.nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([p], lr=0.1)
+        scaler.scale(p.sum()).backward()
+        p.grad[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+
+    saved = ampx.GradScaler("cpu", init_scale=2.0, min_scale=2.0, on_min_scale="raise")
+    saved.scale(torch.ones(()))
+    sd = saved.state_dict()
+    assert sd["on_min_scale"] == "raise"
+    resumed = ampx.GradScaler("cpu")
+    resumed.load_state_dict(sd)
+    assert resumed.state_dict() == sd
+    with pytest.raises(RuntimeError, match="on_min_scale='raise'"):
+        at_floor(resumed)
+    assert resumed.get_scale() == 2.0
+    quiet = ampx.GradScaler("cpu", on_min_scale="ignore")
+    quiet.load_state_dict(torch.amp.GradScaler("cpu", init_scale=2.0).state_dict())
+    assert quiet._on_min_scale == "ignore"  # (torch's dict has no such key: the setting stays)
 
 
 @pytest.mark.parametrize("kw,match", [
