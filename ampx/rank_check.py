@@ -8,7 +8,9 @@ step (unscale_, the clip, or a fused optimizer's check) all-reduces its overflow
 default group with MAX, through the same collective the sharded mode uses
 (``sharding.agree``, here without a norm: DDP's norm is already the same on every rank), so
 every rank skips together. A rank that raises before that collective sends an overflow in it
-(``sharding.refusals_shared``), as in the sharded mode.
+(``sharding.refusals_shared``), as in the sharded mode. A clip with ``error_if_nonfinite=True``
+raises on every rank once the agreed flag is set, not only on the rank whose norm is non-finite
+(``GradScaler._check_clip_norm``).
 
 Cost: one all-reduce of two float64 elements (the flag and the monitor's rank code) per step.
 With 2 gloo ranks on one shared 2-core CPU host (benchmarks/bench_rank_check.py, a small MLP),

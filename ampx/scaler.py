@@ -552,6 +552,10 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         params, _, _ = self._params_with_grads(optimizer, unscaled=isinstance(optimizer, MasterWeights))
+        if error_if_nonfinite and self._agreed_overflow(state["found_inf_per_device"]):
+            # every rank refuses (see _check_clip_norm), before torch's clip writes anything
+            local = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], norm_type)
+            self._check_clip_norm(local, norm_type, True, state["found_inf_per_device"])
         total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
         state["clipped"] = True
         self._last_norm = total
@@ -600,7 +604,8 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
             if sources is not None:  # the overflow report stays unscale_'s, by parameter
                 self._flag_sources[id(optimizer)] = sources
         norm_dtype = torch_norm_dtype(self._last_grads)  # the dtype torch's clip would return
-        self._check_clip_norm(total, norm_type, error_if_nonfinite)  # (before any state is recorded)
+        self._check_clip_norm(total, norm_type, error_if_nonfinite,  # (before any state is recorded)
+                              per_device if inv is not None else state["found_inf_per_device"])
         if inv is not None:
             state["found_inf_per_device"] = per_device
         state["norm_dtype"] = norm_dtype
@@ -626,13 +631,35 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         state["stage"] = OptState.UNSCALED
         return total, coef
 
-    @staticmethod
-    def _check_clip_norm(total, norm_type, error_if_nonfinite):
-        if error_if_nonfinite and not math.isfinite(total.item()):
+    def _check_clip_norm(self, total, norm_type, error_if_nonfinite, found=None):
+        """error_if_nonfinite's refusal (torch's words), of a non-finite ``total``. With
+        check_ranks, also of an overflow the ranks agreed on (``found``, {device: flag}) while
+        this rank's own norm is finite: the rank whose gradients held inf/NaN raises, so every
+        rank raises with it, and a loop that catches the error stays in step on every rank
+        (not one rank retrying or skipping while the others step and update)."""
+        if not error_if_nonfinite:
+            return
+        if not math.isfinite(total.item()):
             raise RuntimeError(
                 f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, "
                 "so it cannot be clipped. To disable this error and scale the gradients by the non-finite "
                 "norm anyway, set `error_if_nonfinite=False`")
+        if self._agreed_overflow(found):
+            raise RuntimeError(
+                f"ampx.GradScaler(check_ranks=True): the total norm of order {float(norm_type)} is finite on this "
+                "rank, but another rank's gradients held inf/NaN, so its norm is non-finite and it raises; "
+                "every rank raises with it (error_if_nonfinite=True), so the ranks stay in step. To skip such "
+                "steps on every rank instead, set `error_if_nonfinite=False`")
+
+    def _agreed_overflow(self, found):
+        """Whether the overflow flag the ranks agreed on (check_ranks, not sharded) is set; reads
+        it on the host (error_if_nonfinite waits for the norm already)."""
+        if self._sharded or not found or not self.__dict__.get("_check_ranks"):
+            return False
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return False
+        return any(bool(f.item()) for f in found.values())
 
     # ---- step and update --------------------------------------------------------------
 

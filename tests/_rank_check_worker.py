@@ -75,6 +75,46 @@ def scenario_refusal(rank, world):
     return _run(rank, world, "clip", True, refuse_at=5)
 
 
+def _run_nonfinite(rank, world, route):
+    """clip_grad_norm_(error_if_nonfinite=True) in a loop that catches its error and then lets
+    the scaler skip the step (step + update), with rank 1's gradient made inf/NaN after DDP's
+    all-reduce."""
+    model, opt = _ddp(route)
+    scaler = ampx.GradScaler("cpu", init_scale=2.0**10, growth_interval=10, check_ranks=True,
+                             clip_norm="torch" if route == "torch_clip" else "exact")
+    first = next(model.parameters())
+    per = W.GLOBAL_BATCH // world
+    rec = {"params": [], "raised": [], "collectives": [], "scale": []}
+    for step in range(STEPS):
+        x, y = W._batch(step)
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(W._loss(model, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])).backward()
+        if step in INJECT and rank == 1:
+            first.grad.view(-1)[0] = INJECT[step]
+        raised = None
+        with W.CountCollectives() as cc:
+            try:
+                if route == "unscale_clip":
+                    scaler.unscale_(opt)
+                scaler.clip_grad_norm_(opt, 1.0, error_if_nonfinite=True)
+                scaler.step(opt)
+                scaler.update()
+            except RuntimeError as e:
+                raised = str(e)
+                scaler.step(opt)  # skips (the ranks agreed on the overflow), and the scale backs off
+                scaler.update()
+        rec["collectives"].append(cc.count)
+        rec["raised"].append(raised)
+        rec["scale"].append(scaler.get_scale())
+        rec["params"].append(torch.cat([p.detach().flatten() for p in model.module.parameters()]))
+    return rec
+
+
+def scenario_nonfinite(rank, world):
+    return {route: _run_nonfinite(rank, world, route)
+            for route in ("clip", "unscale_clip", "fused_clip", "torch_clip")}
+
+
 def scenario_timing(rank, world, steps=300):
     """Seconds per clip + step + update, without overflows, with and without check_ranks
     (alternating blocks, so drift on a shared machine hits both alike)."""
@@ -100,4 +140,5 @@ def scenario_timing(rank, world, steps=300):
     return out
 
 
-SCENARIOS = {"routes": scenario_routes, "refusal": scenario_refusal, "timing": scenario_timing}
+SCENARIOS = {"routes": scenario_routes, "refusal": scenario_refusal, "nonfinite": scenario_nonfinite,
+             "timing": scenario_timing}

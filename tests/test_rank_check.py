@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     d = tmp_path_factory.mktemp("rank_check")
-    torch.multiprocessing.spawn(W.run, args=(2, str(d / "store"), str(d), ["routes", "refusal"], R.SCENARIOS),
+    torch.multiprocessing.spawn(W.run, args=(2, str(d / "store"), str(d), ["routes", "refusal", "nonfinite"],
+                                                       R.SCENARIOS),
                                 nprocs=2, join=True)
     out = [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for r, res in enumerate(out):
@@ -58,6 +59,24 @@ def test_a_refusal_on_one_rank_reaches_the_other(ranks):
     assert a["skipped"][5] and b["skipped"][5]
     assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"]))
     assert a["scale"] == b["scale"]
+
+
+@pytest.mark.parametrize("route", ["clip", "unscale_clip", "fused_clip", "torch_clip"])
+def test_error_if_nonfinite_raises_on_every_rank(ranks, route):
+    """Rank 1's norm is non-finite, rank 0's is not: both raise, so a loop that catches the
+    error (then step + update, which skip) keeps the ranks in step: the same collectives, the
+    same scale and the same parameters at every step. Before, only rank 1 raised; rank 0 took
+    its update alone, and the ranks' collectives no longer paired up."""
+    a, b = (res["nonfinite"][route] for res in ranks)
+    for step in range(R.STEPS):
+        assert (a["raised"][step] is not None) == (b["raised"][step] is not None) == (step in R.INJECT), step
+        assert a["collectives"][step] == b["collectives"][step], step
+        assert a["scale"][step] == b["scale"][step], step
+        assert torch.equal(a["params"][step], b["params"][step]), step
+    first = min(R.INJECT)
+    assert "another rank's gradients held inf/NaN" in a["raised"][first]
+    assert "non-finite" in b["raised"][first] and "another rank" not in b["raised"][first]
+    assert a["scale"][first] == a["scale"][first - 1] / 2  # the skipped step backed the scale off
 
 
 def test_without_a_process_group_it_does_nothing():
