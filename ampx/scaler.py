@@ -647,7 +647,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
         if self._agreed_overflow(found):
             raise RuntimeError(
                 f"ampx.GradScaler(check_ranks=True): the total norm of order {float(norm_type)} is finite on this "
-                "rank, but another rank's gradients held inf/NaN, so its norm is non-finite and it raises; "
+                "rank, but another rank's gradients held inf/NaN (or it refused this call), so it raises; "
                 "every rank raises with it (error_if_nonfinite=True), so the ranks stay in step. To skip such "
                 "steps on every rank instead, set `error_if_nonfinite=False`")
 
