@@ -654,10 +654,7 @@ class GradScaler(TelemetryMixin, CheckpointMixin, torch.amp.GradScaler):
     def _agreed_overflow(self, found):
         """Whether the overflow flag the ranks agreed on (check_ranks, not sharded) is set; reads
         it on the host (error_if_nonfinite waits for the norm already)."""
-        if self._sharded or not found or not self.__dict__.get("_check_ranks"):
-            return False
-        import torch.distributed as dist
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if self._sharded or not found or not self.__dict__.get("_check_ranks") or _group_size(None) < 2:
             return False
         return any(bool(f.item()) for f in found.values())
 
