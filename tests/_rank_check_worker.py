@@ -28,22 +28,22 @@ def _ddp(route):
     return model, opt
 
 
-def _step(scaler, opt, route, max_norm=1.0):
+def _step(scaler, opt, route, max_norm=1.0, error_if_nonfinite=False):
     if route == "unscale_clip":
         scaler.unscale_(opt)
     if route in ("clip", "unscale_clip", "fused_clip", "torch_clip"):
-        scaler.clip_grad_norm_(opt, max_norm)
+        scaler.clip_grad_norm_(opt, max_norm, error_if_nonfinite=error_if_nonfinite)
     scaler.step(opt)
     scaler.update()
 
 
-def _run(rank, world, route, check_ranks, refuse_at=None):
+def _run(rank, world, route, check_ranks, refuse_at=None, error_if_nonfinite=False):
     model, opt = _ddp(route)
     scaler = ampx.GradScaler("cpu", init_scale=2.0**10, growth_interval=10, check_ranks=check_ranks,
                              clip_norm="torch" if route == "torch_clip" else "exact")
     first = next(model.parameters())
     per = W.GLOBAL_BATCH // world
-    rec = {"params": [], "skipped": [], "collectives": [], "scale": [], "refused": []}
+    rec = {"params": [], "skipped": [], "collectives": [], "scale": [], "refused": [], "raised": []}
     for step in range(STEPS):
         x, y = W._batch(step)
         opt.zero_grad(set_to_none=True)
@@ -58,6 +58,15 @@ def _run(rank, world, route, check_ranks, refuse_at=None):
                     rec["refused"].append(str(e))
                 scaler.step(opt)
                 scaler.update()
+            elif error_if_nonfinite:
+                try:
+                    _step(scaler, opt, route, error_if_nonfinite=True)
+                    raised = None
+                except RuntimeError as e:
+                    raised = str(e)
+                    scaler.step(opt)  # skips (the ranks agreed on the overflow), and the scale backs off
+                    scaler.update()
+                rec["raised"].append(raised)
             else:
                 _step(scaler, opt, route)
         rec["collectives"].append(cc.count)
@@ -75,43 +84,10 @@ def scenario_refusal(rank, world):
     return _run(rank, world, "clip", True, refuse_at=5)
 
 
-def _run_nonfinite(rank, world, route):
-    """clip_grad_norm_(error_if_nonfinite=True) in a loop that catches its error and then lets
-    the scaler skip the step (step + update), with rank 1's gradient made inf/NaN after DDP's
-    all-reduce."""
-    model, opt = _ddp(route)
-    scaler = ampx.GradScaler("cpu", init_scale=2.0**10, growth_interval=10, check_ranks=True,
-                             clip_norm="torch" if route == "torch_clip" else "exact")
-    first = next(model.parameters())
-    per = W.GLOBAL_BATCH // world
-    rec = {"params": [], "raised": [], "collectives": [], "scale": []}
-    for step in range(STEPS):
-        x, y = W._batch(step)
-        opt.zero_grad(set_to_none=True)
-        scaler.scale(W._loss(model, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])).backward()
-        if step in INJECT and rank == 1:
-            first.grad.view(-1)[0] = INJECT[step]
-        raised = None
-        with W.CountCollectives() as cc:
-            try:
-                if route == "unscale_clip":
-                    scaler.unscale_(opt)
-                scaler.clip_grad_norm_(opt, 1.0, error_if_nonfinite=True)
-                scaler.step(opt)
-                scaler.update()
-            except RuntimeError as e:
-                raised = str(e)
-                scaler.step(opt)  # skips (the ranks agreed on the overflow), and the scale backs off
-                scaler.update()
-        rec["collectives"].append(cc.count)
-        rec["raised"].append(raised)
-        rec["scale"].append(scaler.get_scale())
-        rec["params"].append(torch.cat([p.detach().flatten() for p in model.module.parameters()]))
-    return rec
-
-
 def scenario_nonfinite(rank, world):
-    return {route: _run_nonfinite(rank, world, route)
+    """clip_grad_norm_(error_if_nonfinite=True) in a loop that catches its error and then lets
+    the scaler skip the step (step + update)."""
+    return {route: _run(rank, world, route, True, error_if_nonfinite=True)
             for route in ("clip", "unscale_clip", "fused_clip", "torch_clip")}
 
 
